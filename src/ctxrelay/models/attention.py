@@ -1,0 +1,98 @@
+"""Attention kernels the runner can plug into any layer.
+
+An attention function takes an `AttnCall` (post-RoPE q, the layer's full k/v including the new
+tokens, where the queries sit, and the family's masking facts) and returns [1, H, T, d].
+Transports supply their own functions (map reuse, map-guided sparse) through the same call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnCall:
+    layer: int
+    q: torch.Tensor  # [1, H, T, d], post q-norm and RoPE
+    k: torch.Tensor  # [1, Hkv, S, d], post k-norm and RoPE; S = q_start + T
+    v: torch.Tensor  # [1, Hkv, S, d]
+    q_start: int  # absolute position of the first query
+    scale: float
+    window: int | None  # sliding window (keys with q_pos - k_pos < window are visible)
+    softcap: float | None
+
+
+AttnFn = Callable[[AttnCall], torch.Tensor]
+ProbsCallback = Callable[[int, int, torch.Tensor], None]  # (layer, first query row, probs [H, rows, S])
+
+
+def visibility_mask(q_start: int, t: int, s: int, window: int | None, device=None) -> torch.Tensor:
+    """Boolean [t, s]: True where query i (at q_start + i) may attend key j."""
+    qpos = torch.arange(q_start, q_start + t, device=device)[:, None]
+    kpos = torch.arange(s, device=device)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
+
+
+def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[1, Hkv, S, d] -> [1, H, S, d] (grouped-query heads share a kv head)."""
+    groups = num_heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def native_attention(c: AttnCall) -> torch.Tensor:
+    """The model's own attention: SDPA (flash/efficient kernels where possible)."""
+    if c.softcap is not None:
+        return eager_attention(c)
+    t, s = c.q.shape[2], c.k.shape[2]
+    gqa = c.q.shape[1] != c.k.shape[1]
+    if c.q_start == 0 and c.window is None and t == s:
+        return F.scaled_dot_product_attention(c.q, c.k, c.v, is_causal=True, scale=c.scale, enable_gqa=gqa)
+    mask = visibility_mask(c.q_start, t, s, c.window, c.q.device)
+    return F.scaled_dot_product_attention(c.q, c.k, c.v, attn_mask=mask, scale=c.scale, enable_gqa=gqa)
+
+
+def attention_logits(c: AttnCall, rows: slice | None = None) -> torch.Tensor:
+    """Masked pre-softmax scores [H, rows, S] (soft-capped where the family caps)."""
+    q = c.q[0] if rows is None else c.q[0, :, rows]
+    k = expand_kv(c.k, c.q.shape[1])[0]
+    scores = (q @ k.transpose(-1, -2)) * c.scale
+    if c.softcap is not None:
+        scores = torch.tanh(scores / c.softcap) * c.softcap
+    r0 = 0 if rows is None else rows.start
+    mask = visibility_mask(c.q_start + r0, q.shape[1], k.shape[1], c.window, q.device)
+    return scores.masked_fill(~mask, float("-inf"))
+
+
+def eager_attention(c: AttnCall, chunk: int = 256, on_probs: ProbsCallback | None = None) -> torch.Tensor:
+    """Explicit softmax(QK^T)V, in chunks of query rows so the dense map is never whole.
+
+    `on_probs(layer, row0, probs)` sees each chunk's probabilities (the capture path for mapflow).
+    """
+    t = c.q.shape[2]
+    v = expand_kv(c.v, c.q.shape[1])[0]
+    out = torch.empty_like(c.q[0])
+    for r0 in range(0, t, chunk):
+        rows = slice(r0, min(t, r0 + chunk))
+        probs = torch.softmax(attention_logits(c, rows), dim=-1)
+        if on_probs is not None:
+            on_probs(c.layer, r0, probs)
+        out[:, rows] = probs @ v
+    return out.unsqueeze(0)
+
+
+def probs_attention(probs_by_layer: dict[int, torch.Tensor]) -> Callable[[AttnCall], torch.Tensor]:
+    """Inject given attention probabilities [H, T, S] in place of softmax(QK^T) (exactness checks)."""
+
+    def attend(c: AttnCall) -> torch.Tensor:
+        p = probs_by_layer[c.layer].to(c.v.dtype)
+        v = expand_kv(c.v, c.q.shape[1])[0]
+        return (p @ v).unsqueeze(0)
+
+    return attend

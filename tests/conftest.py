@@ -1,0 +1,39 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("CTXRELAY_TEST_THREADS", "2")))
+
+FAMILIES = ["llama", "qwen2", "gemma3"]
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny(request):
+    from ctxrelay.models.tiny import tiny_model
+
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_by_family():
+    from ctxrelay.models.tiny import tiny_model
+
+    return {f: tiny_model(f) for f in FAMILIES}
+
+
+SAMPLE_TEXT = (
+    "Startups are companies designed to grow fast. The quick brown fox jumps over the lazy dog, "
+    "and in 2024 it paid $1,234.56 for 42 items. def forward(self, x): return x + 1. "
+    "Café naïve résumé; 東京は日本の首都です。 🙂 Being newly founded does not in itself make a "
+    "company a startup. Nor is it necessary for a startup to work on technology."
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    # real-model tests need the zoo cache; `make test` pulls it first. Skip only if asked.
+    if os.environ.get("CTXRELAY_SKIP_REAL") == "1":
+        skip = pytest.mark.skip(reason="CTXRELAY_SKIP_REAL=1")
+        for item in items:
+            if "real" in item.keywords:
+                item.add_marker(skip)
