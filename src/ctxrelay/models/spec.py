@@ -107,9 +107,7 @@ def build_spec(
     )
 
 
-def wrap(
-    hf: PreTrainedModel, tok: PreTrainedTokenizerBase, name: str, weights_hash: str | None = None
-) -> LoadedModel:
+def wrap(hf: PreTrainedModel, tok: PreTrainedTokenizerBase, name: str, weights_hash: str | None = None) -> LoadedModel:
     hf.eval()
     hf.requires_grad_(False)
     return LoadedModel(hf=hf, tokenizer=tok, spec=build_spec(hf, tok, name, weights_hash), source=name)

@@ -93,7 +93,11 @@ def tiny_model(family: str, *, layers: int = 4, seed: int = 0, sliding_window: i
         hf = Qwen2ForCausalLM(cfg)
         with torch.no_grad():  # qwen2 has q/k/v biases; make them non-zero so tests see them
             for layer in hf.model.layers:
-                for p in (layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias):
+                for p in (
+                    layer.self_attn.q_proj.bias,
+                    layer.self_attn.k_proj.bias,
+                    layer.self_attn.v_proj.bias,
+                ):
                     p.normal_(0, 0.1)
     elif family == "gemma3":
         tok = tiny_tokenizer("metaspace")
