@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -69,8 +70,9 @@ def hash_state_dict(model: torch.nn.Module) -> str:
 
 def hash_tokenizer(tok: PreTrainedTokenizerBase) -> str:
     backend = getattr(tok, "backend_tokenizer", None)
-    if backend is not None:
-        payload = backend.to_str()
+    if backend is not None:  # padding/truncation are call-time settings, not identity
+        cfg = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("padding", "truncation")}
+        payload = json.dumps(cfg, sort_keys=True)
     else:  # slow tokenizers: vocabulary + special tokens are what decide the ids
         payload = repr(sorted(tok.get_vocab().items())) + repr(tok.all_special_tokens)
     return hashlib.sha256(payload.encode()).hexdigest()
