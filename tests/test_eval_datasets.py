@@ -14,7 +14,7 @@ def test_essay_counts_and_split():
     assert names == sorted(names)
     assert [e.name for e in held] == names[::5]
     assert not {e.name for e in held} & {e.name for e in train}
-    assert all(len(e.text) > 1000 for e in all_)
+    assert all(e.text.strip() for e in all_) and sum(len(e.text) for e in all_) > 500_000
 
 
 def test_bad_split_is_clear():

@@ -1,0 +1,110 @@
+"""Small matplotlib helpers (Agg backend) for the figure beside each results file."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_path(results_path: str | Path, suffix: str = "") -> Path:
+    """benchmarks/results/NAME.json -> benchmarks/results/NAME[suffix].png."""
+    p = Path(results_path)
+    return p.with_name(f"{p.stem}{suffix}.png")
+
+
+def line_plot(
+    path: str | Path,
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    logx: bool = False,
+    logy: bool = False,
+    note: str = "",
+) -> Path:
+    """One line with markers per series {label: (xs, ys)}; log axes on request."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    for label, (xs, ys) in series.items():
+        ax.plot(list(xs), list(ys), marker="o", label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    if series:
+        ax.legend(fontsize=8)
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=6, alpha=0.7)
+    return _save(fig, path)
+
+
+def scatter_plot(
+    path: str | Path,
+    points: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    logx: bool = False,
+    hline: float | None = None,
+    vline: float | None = None,
+) -> Path:
+    """Quality-vs-cost style scatter, one colour per group; optional reference lines (bars, native)."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    for label, (xs, ys) in points.items():
+        ax.scatter(list(xs), list(ys), label=label, s=22)
+    if hline is not None:
+        ax.axhline(hline, color="grey", ls="--", lw=0.8)
+    if vline is not None:
+        ax.axvline(vline, color="grey", ls="--", lw=0.8)
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if points:
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def heatmap(
+    path: str | Path,
+    matrix,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    cbar_label: str = "",
+    cmap: str = "viridis",
+) -> Path:
+    """A 2-D array as an image (rows = y); e.g. TV distance receiver layer x sender layer."""
+    import numpy as np
+
+    data = np.asarray(matrix, dtype=float)
+    fig, ax = plt.subplots(figsize=(6.4, 5.2), dpi=120)
+    im = ax.imshow(data, aspect="auto", origin="lower", cmap=cmap)
+    cb = fig.colorbar(im, ax=ax)
+    cb.set_label(cbar_label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,178 @@
+"""Benchmark results files (DESIGN.md section 5) and the timing helper every benchmark uses.
+
+`write_results` writes benchmarks/results/NAME.json: {"command", "machine", "rows", ...extra}.
+Rows carry only keys that were measured; NaN or infinite numbers are refused rather than written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ctxrelay.eval import EvalError
+
+RESERVED = ("command", "machine", "rows")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _git_commit(root: Path) -> str | None:
+    try:
+        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout.strip() or None if res.returncode == 0 else None
+
+
+def machine_facts() -> dict:
+    """Facts that decide a timing: cores, torch threads, device, CPU model, library versions."""
+    import torch
+    import transformers
+
+    facts = {
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "cpu_model": _cpu_model(),
+        "memory_gib": _memory_gib(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    if facts["device"] == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name(0)
+    return facts
+
+
+def repo_root() -> Path:
+    """The ctxrelay checkout: walk up from this file, then from the working directory, to pyproject.toml."""
+    for start in (Path(__file__).resolve().parent, Path.cwd().resolve()):
+        for d in (start, *start.parents):
+            py = d / "pyproject.toml"
+            if py.exists() and 'name = "ctxrelay"' in py.read_text(encoding="utf-8", errors="replace"):
+                return d
+    raise EvalError(
+        "cannot find the ctxrelay checkout (no pyproject.toml of ctxrelay above this file or the working "
+        "directory); set CTXRELAY_RESULTS_DIR to the folder results should go to"
+    )
+
+
+def results_dir() -> Path:
+    env = os.environ.get("CTXRELAY_RESULTS_DIR")
+    return Path(env) if env else repo_root() / "benchmarks" / "results"
+
+
+def results_path(name: str) -> Path:
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        raise EvalError(f"results name {name!r} must be a plain file stem such as 'native' or 'mapflow'")
+    return results_dir() / f"{name}.json"
+
+
+def _check_value(where: str, value) -> None:
+    if isinstance(value, bool) or value is None or isinstance(value, str | int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise EvalError(f"{where} is {value}: leave a key out instead of writing a non-finite number")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise EvalError(f"{where} has a non-string key {k!r}")
+            _check_value(f"{where}.{k}", v)
+        return
+    if isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_value(f"{where}[{i}]", v)
+        return
+    raise EvalError(f"{where} is a {type(value).__name__}; results hold only JSON numbers, strings, lists, dicts")
+
+
+def validate_rows(rows: list[dict]) -> None:
+    """Every row is a dict naming its transport, with plain finite JSON values."""
+    if not isinstance(rows, list):
+        raise EvalError(f"rows must be a list of dicts, got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise EvalError(f"rows[{i}] is a {type(row).__name__}, not a dict")
+        if not isinstance(row.get("transport"), str):
+            raise EvalError(f"rows[{i}] lacks a 'transport' string (native, mapflow, heterofold, ...)")
+        if "context_tokens" in row and not (isinstance(row["context_tokens"], int) and row["context_tokens"] > 0):
+            raise EvalError(f"rows[{i}].context_tokens must be a positive int, got {row['context_tokens']!r}")
+        _check_value(f"rows[{i}]", row)
+
+
+def write_results(name: str, rows: list[dict], command: str, extra: dict | None = None) -> Path:
+    """Write benchmarks/results/NAME.json (or $CTXRELAY_RESULTS_DIR/NAME.json) atomically."""
+    if not command or not isinstance(command, str):
+        raise EvalError("write_results needs the exact command that reproduces the rows")
+    validate_rows(rows)
+    extra = dict(extra or {})
+    clash = [k for k in extra if k in RESERVED]
+    if clash:
+        raise EvalError(f"extra may not override {clash}: they are written by write_results itself")
+    _check_value("extra", extra)
+    path = results_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"command": command, "machine": machine_facts(), "rows": list(rows)}
+    try:
+        commit = _git_commit(repo_root())
+    except EvalError:
+        commit = None
+    if commit:
+        doc["git_commit"] = commit
+    doc["written"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    doc.update(extra)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_results(name_or_path: str | Path) -> dict:
+    path = Path(name_or_path)
+    if path.suffix != ".json":
+        path = results_path(str(name_or_path))
+    if not path.exists():
+        raise EvalError(f"no results file at {path}; run the benchmark that writes it first")
+    return json.loads(path.read_text())
+
+
+def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> tuple[float, list[float]]:
+    """Run `fn` `warmup` times untimed, then `repeats` times timed; (median seconds, all times)."""
+    if repeats < 1:
+        raise EvalError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
