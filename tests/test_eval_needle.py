@@ -12,7 +12,7 @@ def test_insertion_depth_at_sentence_boundary(depth):
     fact = NEEDLES[0].fact
     pos = case.context.index(fact)
     assert abs(pos / len(HAY) - depth) < 0.02  # depth is a fraction of the haystack
-    assert case.depth == pytest.approx(pos / len(HAY))
+    assert abs(case.depth - pos / len(HAY)) < 1e-3
     # the haystack is untouched around the fact, and the fact starts and ends a sentence
     assert case.context.replace(fact, "").replace("  ", " ").strip() == HAY
     before = case.context[:pos].rstrip()

@@ -90,7 +90,10 @@ def sentence_boundaries(text: str) -> list[int]:
 
 
 def insert_at_depth(haystack: str, fact: str, depth: float) -> tuple[str, int]:
-    """Insert `fact` at the sentence boundary nearest to `depth` * len(haystack); returns (text, pos)."""
+    """Insert `fact` at the sentence boundary nearest to `depth` * len(haystack).
+
+    Returns (text, boundary): the boundary is the haystack character index where the fact went in.
+    """
     if not 0.0 <= depth <= 1.0:
         raise EvalError(f"needle depth must be in [0, 1], got {depth}")
     target = depth * len(haystack)
@@ -99,7 +102,7 @@ def insert_at_depth(haystack: str, fact: str, depth: float) -> tuple[str, int]:
     # Keep the fact a sentence of its own whichever side of it the haystack continues.
     sep_before = "" if not before or before[-1].isspace() else " "
     sep_after = "" if not after or after[0].isspace() else " "
-    return before + sep_before + fact + sep_after + after, pos + len(sep_before)
+    return before + sep_before + fact + sep_after + after, pos
 
 
 def make_needle_case(haystack: str, depth: float, seed: int = 0) -> NeedleCase:
@@ -112,7 +115,7 @@ def make_needle_case(haystack: str, depth: float, seed: int = 0) -> NeedleCase:
         context=context,
         question=QUESTION_FORMAT.format(question=needle.question),
         answer=needle.answer,
-        depth=min(1.0, pos / len(haystack)),
+        depth=pos / len(haystack),
         needle=needle,
     )
 
