@@ -246,14 +246,28 @@ def generate(
     stop_at_eos: bool = True,
 ) -> Generation:
     """Greedy (temperature 0) or sampled decode after prefilling `ids` on top of `cache`."""
-    gen = torch.Generator().manual_seed(seed)
-    eos = _eos_ids(m)
     t0 = time.perf_counter()
     out = forward(m, ids, cache, attention=attention)
+    return decode(m, out.cache, out.logits[-1], t0, max_new_tokens, temperature, seed, stop_at_eos)
+
+
+@torch.inference_mode()
+def decode(
+    m: LoadedModel,
+    cache: KVCache,
+    logits: torch.Tensor,
+    t0: float,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop_at_eos: bool = True,
+) -> Generation:
+    """Decode from next-token `logits` [V] over `cache`; times are measured from `t0` (request start)."""
+    gen = torch.Generator().manual_seed(seed)
+    eos = _eos_ids(m)
     tokens: list[int] = []
     ttft = 0.0
-    cache = out.cache
-    step_logits = out.logits[-1]
+    step_logits = logits.view(-1)
     for step in range(max_new_tokens):
         if temperature > 0:
             p = torch.softmax(step_logits.float() / temperature, dim=-1)
