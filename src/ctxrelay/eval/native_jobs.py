@@ -9,6 +9,7 @@ the requested token count of each model's own tokenizer.
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -84,6 +85,7 @@ def measure_point(m: LoadedModel, n_tokens: int, repeats: int, opts: dict) -> di
         "repeats": n,
         "times_s": times,
         "warmup_s": warm,
+        "loadavg_1m": os.getloadavg()[0],  # other work on the machine perturbs timings; record it
     }
 
 
