@@ -1,0 +1,267 @@
+"""The five-line Python API: a pool of models, a store of context states, and a gate between them.
+
+    pool = ModelPool(["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"])
+    state = pool.prefill("qwen2.5-coder-1.5b", document, tenant="acme")
+    result = pool.continue_from(state, "smollm2-135m", "\\n\\nQuestion: ...\\nAnswer:")
+    print(result.transport, result.reason, result.ttft_s, result.text)
+
+`continue_from` never fails because a transport cannot run: missing artifact, mismatched binding,
+missing state parts, store outage and transport errors all end in native prefill, with the reason.
+Only another tenant's state is refused outright (BindingError), since reading it is the error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ctxrelay import zoo
+from ctxrelay.artifact import Artifact
+from ctxrelay.models import runner
+from ctxrelay.models.spec import LoadedModel
+from ctxrelay.relay.gate import NEEDS, Decision, decide
+from ctxrelay.relay.graph import Profile, TransportGraph
+from ctxrelay.relay.store import StateKey, StateStore, StoreUnavailable, open_store
+from ctxrelay.state import Binding, BindingError, ContextState, content_hash, tokenize_with_offsets
+from ctxrelay.transport import RelayOutput
+
+log = logging.getLogger("ctxrelay.relay")
+
+PACKAGED_ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+
+
+def default_artifact_dirs() -> list[Path]:
+    return [PACKAGED_ARTIFACTS, zoo.cache_dir() / "artifacts"]
+
+
+def default_profile_path() -> Path:
+    return zoo.cache_dir() / "profile.json"
+
+
+def transport_module(name: str):
+    return importlib.import_module(f"ctxrelay.{name}")
+
+
+@dataclass
+class RelayResult:
+    text: str
+    tokens: list[int]
+    transport: str  # what actually ran: native | self | mapflow | heterofold
+    reason: str
+    ttft_s: float  # request start -> first token chosen, everything included
+    total_s: float
+    context_tokens: int  # receiver tokens of the shared context
+    timings: dict[str, float] = field(default_factory=dict)  # components of ttft_s
+    decision: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+    first_logits: torch.Tensor | None = None  # [V], for agreement checks
+
+    @property
+    def components_s(self) -> float:
+        return sum(self.timings.values())
+
+
+class ModelPool:
+    def __init__(
+        self,
+        models: list[str | LoadedModel] = (),
+        *,
+        store: str | StateStore = "memory",
+        artifact_dirs: list[Path] | None = None,
+        profile: Profile | Path | None = None,
+        quality_threshold: float = 0.0,
+        overhead_s: float = 0.0,
+    ):
+        self.models: dict[str, LoadedModel] = {}
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.artifact_dirs = artifact_dirs if artifact_dirs is not None else default_artifact_dirs()
+        if profile is None or isinstance(profile, Path):
+            self.profile_path = profile or default_profile_path()
+            self.profile = Profile.load(self.profile_path)
+        else:
+            self.profile_path, self.profile = None, profile
+        self.quality_threshold, self.overhead_s = quality_threshold, overhead_s
+        self._graph: TransportGraph | None = None
+        self._artifacts: dict[Path, Artifact] = {}
+        for m in models:
+            self.add(m)
+
+    # ---- models and graph -------------------------------------------------------------------
+
+    def add(self, m: str | LoadedModel) -> LoadedModel:
+        model = zoo.load(m) if isinstance(m, str | Path) else m
+        self.models[model.spec.name] = model
+        self._graph = None
+        return model
+
+    def model(self, name: str) -> LoadedModel:
+        if name not in self.models:
+            self.add(name)
+        return self.models[name]
+
+    @property
+    def graph(self) -> TransportGraph:
+        if self._graph is None:
+            self._graph = TransportGraph.build(list(self.models.values()), self.artifact_dirs, self.profile)
+        return self._graph
+
+    def refresh(self, profile: Profile | None = None) -> None:
+        if profile is not None:
+            self.profile = profile
+        self._graph = None
+
+    def artifact(self, path: Path) -> Artifact:
+        if path not in self._artifacts:
+            self._artifacts[path] = Artifact.load(path)
+        return self._artifacts[path]
+
+    # ---- sender side --------------------------------------------------------------------------
+
+    def prefill(self, sender: str, text: str, tenant: str, *, store: bool = True) -> ContextState:
+        """The sender reads `text` natively and leaves a ContextState with what its edges need."""
+        m = self.model(sender)
+        edges = self.graph.edges_from(m.spec.weights_hash)
+        needs = {NEEDS[e.transport] for e in edges if e.transport in NEEDS}
+        needs.add("kv")  # K/V serve the sender itself (exact continuation) and heterofold edges
+        cap, compressor = runner.Capture(keys_pre_rope=True, values=True), None
+        t0 = time.perf_counter()
+        if "maps" in needs:
+            p = next(e.params for e in edges if e.transport == "mapflow")
+            compressor = transport_module("mapflow").make_map_capture(
+                m, top_p=p.get("top_p", 0.9), block=p.get("block", 64)
+            )
+            cap.on_probs, cap.prob_chunk = compressor.on_probs, p.get("block", 64)
+        ids, offsets = tokenize_with_offsets(m, text)
+        runner.forward(m, ids, capture=cap, logits="none")
+        state = ContextState(
+            text=text,
+            tokens=ids,
+            offsets=offsets,
+            binding=Binding.of(m, tenant),
+            keys_pre_rope=torch.stack(cap.keys),
+            values=torch.stack(cap.vals),
+            meta={"sender": m.spec.name, "prefill_s": time.perf_counter() - t0},
+        )
+        if compressor is not None:
+            state.maps, state.maps_meta = compressor.result()
+        if store:
+            try:
+                self.store.put(state)
+            except StoreUnavailable as e:
+                log.warning("state not stored (%s); it is still usable in this process", e)
+        return state
+
+    # ---- receiver side ------------------------------------------------------------------------
+
+    def continue_from(
+        self,
+        context: ContextState | str,
+        receiver: str,
+        suffix: str = "",
+        *,
+        tenant: str | None = None,
+        sender: str | None = None,
+        transport: str = "auto",
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        quality_threshold: float | None = None,
+    ) -> RelayResult:
+        """Continue `context` (a state, or the text whose state a sender left in the store) on `receiver`."""
+        r = self.model(receiver)
+        t0 = time.perf_counter()
+        timings: dict[str, float] = {}
+        state, text, why_not = self._resolve(context, tenant, sender, timings)
+        tg = time.perf_counter()
+        suffix_ids = torch.tensor(r.tokenizer(suffix, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        if state is None:
+            timings["gate_s"] = time.perf_counter() - tg
+            return self._native(r, text, suffix_ids, t0, timings, why_not, max_new_tokens, temperature)
+        n_ctx = len(r.tokenizer(text, add_special_tokens=True)["input_ids"])
+        d = decide(
+            self.graph,
+            state,
+            r.spec.weights_hash,
+            n_ctx + len(suffix_ids),
+            requested=transport,
+            quality_threshold=self.quality_threshold if quality_threshold is None else quality_threshold,
+            overhead_s=self.overhead_s,
+        )
+        timings["gate_s"] = time.perf_counter() - tg
+        if d.transport == "native":
+            return self._native(r, text, suffix_ids, t0, timings, d.reason, max_new_tokens, temperature, d)
+        try:
+            out = self._relay(d, state, r, suffix_ids)
+        except (BindingError, ValueError, RuntimeError) as e:  # never a wrong answer: fall back
+            reason = f"{d.transport} failed ({e}); native prefill instead"
+            log.warning(reason)
+            return self._native(r, text, suffix_ids, t0, timings, reason, max_new_tokens, temperature, d)
+        tf = time.perf_counter()
+        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature)
+        timings.update(out.timings)
+        timings["first_token_s"] = timings.get("first_token_s", 0.0) + (gen.ttft_s - (tf - t0))
+        return RelayResult(
+            gen.text, gen.tokens, d.transport, d.reason, gen.ttft_s, gen.total_s,
+            out.cache.length - len(suffix_ids), timings, d.as_dict(), out.info, out.logits[-1],
+        )  # fmt: skip
+
+    def native(self, receiver: str, text: str, suffix: str = "", **kw) -> RelayResult:
+        """The reference: the receiver prefills context + suffix itself."""
+        r = self.model(receiver)
+        suffix_ids = torch.tensor(r.tokenizer(suffix, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        return self._native(r, text, suffix_ids, time.perf_counter(), {}, "native prefill requested", **kw)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _resolve(self, context, tenant, sender, timings) -> tuple[ContextState | None, str, str]:
+        """Find the state: given directly, or looked up in the store by (tenant, text, sender)."""
+        if isinstance(context, ContextState):
+            if tenant is not None and tenant != context.binding.tenant:
+                raise BindingError(f"tenant {tenant!r} may not use a state owned by {context.binding.tenant!r}")
+            return context, context.text, ""
+        text = context
+        if tenant is None or sender is None:
+            return None, text, "no state given (pass a ContextState, or tenant= and sender= to look one up)"
+        key = StateKey(tenant, content_hash(text), self.model(sender).spec.weights_hash)
+        ts = time.perf_counter()
+        try:
+            state = self.store.get(key, tenant)
+        except StoreUnavailable as e:
+            timings["copy_s"] = time.perf_counter() - ts
+            return None, text, f"state store unavailable ({e}); native prefill"
+        timings["copy_s"] = time.perf_counter() - ts
+        if state is None:
+            return None, text, f"no stored state of this context from {sender} for tenant {tenant!r}"
+        return state, text, ""
+
+    def _relay(self, d: Decision, state: ContextState, r: LoadedModel, suffix_ids: torch.Tensor) -> RelayOutput:
+        if d.transport == "self":  # exact: the sender's own K/V; the last context token runs if no suffix
+            t = time.perf_counter()
+            keep = state.num_tokens if len(suffix_ids) else state.num_tokens - 1
+            cache = runner.cache_from_pre_rope(r, state.keys_pre_rope[:, :keep], state.values[:, :keep])
+            ta = time.perf_counter()
+            out = runner.forward(r, suffix_ids if len(suffix_ids) else state.tokens[keep:], cache)
+            return RelayOutput(out.cache, out.logits, {"assemble_s": ta - t, "first_token_s": time.perf_counter() - ta})
+        art = self.artifact(d.edge.artifact_path)
+        return transport_module(d.transport).relay_prefill(r, state, art, suffix_ids)
+
+    def _native(
+        self, r, text, suffix_ids, t0, timings, reason, max_new_tokens=32, temperature=0.0, d: Decision | None = None
+    ) -> RelayResult:
+        tp = time.perf_counter()
+        ids, _ = tokenize_with_offsets(r, text)
+        out = runner.forward(r, torch.cat([ids, suffix_ids]))
+        timings["prefill_s"] = time.perf_counter() - tp
+        tf = time.perf_counter()
+        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature)
+        timings["first_token_s"] = gen.ttft_s - (tf - t0)
+        decision = d.as_dict() if d else {"transport": "native", "reason": reason}
+        decision["reason"] = reason
+        return RelayResult(
+            gen.text, gen.tokens, "native", reason, gen.ttft_s, gen.total_s, len(ids), timings, decision, {},
+            out.logits[-1],
+        )  # fmt: skip

@@ -1,0 +1,220 @@
+"""The transport graph: model versions as nodes, calibrated transports as edges, each with a cost model.
+
+Nodes are identified by weights hash (a model version), edges by (transport, sender hash, receiver
+hash) and carry the artifact's measured quality. Costs are fitted per component to measurements on
+this machine (`ctxrelay profile`): t(n) = c0 + c1*n + c2*n^2 with non-negative coefficients, so a
+prediction never goes below the fixed overhead and stays monotone in context length.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import nnls
+
+from ctxrelay.artifact import Artifact
+from ctxrelay.models.spec import LoadedModel
+from ctxrelay.tensorfile import TensorFileError
+
+NATIVE_KEY = "prefill_s"
+
+
+@dataclass
+class CostModel:
+    """Per-component quadratic fits of seconds vs context tokens."""
+
+    coeffs: dict[str, list[float]]
+    samples: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+
+    @staticmethod
+    def fit(samples: list[tuple[int, dict[str, float]]]) -> CostModel:
+        if not samples:
+            raise ValueError("cannot fit a cost model to no measurements")
+        comps = sorted({c for _, d in samples for c in d})
+        n = np.array([s[0] for s in samples], dtype=float)
+        basis = np.stack([np.ones_like(n), n / 1e3, (n / 1e3) ** 2], axis=1)  # scaled for conditioning
+        coeffs = {}
+        for c in comps:
+            y = np.array([d.get(c, 0.0) for _, d in samples])
+            x, _ = nnls(basis, y)
+            coeffs[c] = [float(x[0]), float(x[1]) / 1e3, float(x[2]) / 1e6]
+        return CostModel(coeffs, list(samples))
+
+    def predict(self, n_tokens: int) -> dict[str, float]:
+        return {c: a + b * n_tokens + q * n_tokens**2 for c, (a, b, q) in self.coeffs.items()}
+
+    def total(self, n_tokens: int) -> float:
+        return sum(self.predict(n_tokens).values())
+
+    def to_json(self) -> dict:
+        return {"coeffs": self.coeffs, "samples": [[n, d] for n, d in self.samples]}
+
+    @staticmethod
+    def from_json(d: dict) -> CostModel:
+        return CostModel(d["coeffs"], [(int(n), dict(x)) for n, x in d.get("samples", [])])
+
+
+@dataclass
+class Node:
+    name: str
+    weights_hash: str
+    tokenizer_hash: str
+    native_cost: CostModel | None = None
+
+
+@dataclass
+class Edge:
+    transport: str
+    sender: dict  # artifact's binding of the sender: name, weights_hash, tokenizer_hash
+    receiver: dict
+    artifact_path: Path
+    quality: dict
+    params: dict
+    cost: CostModel | None = None
+
+    @property
+    def key(self) -> str:
+        return edge_key(self.transport, self.sender["weights_hash"], self.receiver["weights_hash"])
+
+    @property
+    def label(self) -> str:
+        return f"{self.transport}: {self.sender['name']} -> {self.receiver['name']}"
+
+
+def edge_key(transport: str, sender_hash: str, receiver_hash: str) -> str:
+    return f"{transport}:{sender_hash}:{receiver_hash}"
+
+
+@dataclass
+class Profile:
+    """Measured costs on this machine, keyed by model / edge version. Stored as JSON."""
+
+    native: dict[str, CostModel] = field(default_factory=dict)  # weights hash -> cost
+    edges: dict[str, CostModel] = field(default_factory=dict)  # edge key -> cost
+    machine: dict = field(default_factory=dict)
+
+    @staticmethod
+    def load(path: Path) -> Profile:
+        if not path.exists():
+            return Profile()
+        try:
+            d = json.loads(path.read_text())
+            return Profile(
+                {k: CostModel.from_json(v) for k, v in d.get("native", {}).items()},
+                {k: CostModel.from_json(v) for k, v in d.get("edges", {}).items()},
+                d.get("machine", {}),
+            )
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"cost profile {path} is unreadable ({e}); rerun `ctxrelay profile`") from None
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        d = {
+            "machine": self.machine,
+            "native": {k: v.to_json() for k, v in self.native.items()},
+            "edges": {k: v.to_json() for k, v in self.edges.items()},
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(d, indent=1))
+        tmp.replace(path)
+
+
+@dataclass
+class TransportGraph:
+    nodes: dict[str, Node]  # weights hash -> node
+    edges: list[Edge]
+    skipped: list[str] = field(default_factory=list)  # artifacts found but not usable, with why
+
+    @staticmethod
+    def build(models: list[LoadedModel], artifact_dirs: list[Path], profile: Profile) -> TransportGraph:
+        nodes = {
+            m.spec.weights_hash: Node(
+                m.spec.name, m.spec.weights_hash, m.spec.tokenizer_hash, profile.native.get(m.spec.weights_hash)
+            )
+            for m in models
+        }
+        edges, skipped = [], []
+        for path in sorted({p for d in artifact_dirs if d.exists() for p in d.glob("*.safetensors")}):
+            try:
+                art = Artifact.load(path)
+            except TensorFileError as e:
+                skipped.append(f"{path.name}: {e}")
+                continue
+            s, r = art.sender["weights_hash"], art.receiver["weights_hash"]
+            if s not in nodes or r not in nodes:
+                missing = [b["name"] for b, h in ((art.sender, s), (art.receiver, r)) if h not in nodes]
+                skipped.append(f"{path.name}: calibrated for model versions not in the pool ({', '.join(missing)})")
+                continue
+            edge = Edge(art.transport, art.sender, art.receiver, path, art.quality, art.params)
+            edge.cost = profile.edges.get(edge.key)
+            edges.append(edge)
+        return TransportGraph(nodes, edges, skipped)
+
+    def edges_between(self, sender_hash: str, receiver_hash: str) -> list[Edge]:
+        return [
+            e
+            for e in self.edges
+            if e.sender["weights_hash"] == sender_hash and e.receiver["weights_hash"] == receiver_hash
+        ]
+
+    def edges_from(self, sender_hash: str) -> list[Edge]:
+        return [e for e in self.edges if e.sender["weights_hash"] == sender_hash]
+
+    def rows(self, n_tokens: int = 2048) -> list[dict]:
+        out = []
+        for e in self.edges:
+            native = self.nodes[e.receiver["weights_hash"]].native_cost
+            relay_s = e.cost.total(n_tokens) if e.cost else None
+            native_s = native.total(n_tokens) if native else None
+            out.append(
+                {
+                    "edge": e.label,
+                    "method": e.params.get("method", e.params.get("mode", "")),
+                    "top1_agreement": e.quality.get("top1_agreement"),
+                    "kl": e.quality.get("kl"),
+                    f"relay_s@{n_tokens}": relay_s,
+                    f"native_s@{n_tokens}": native_s,
+                    "speedup": native_s / relay_s if relay_s and native_s else None,
+                    "artifact": e.artifact_path.name,
+                }
+            )
+        return out
+
+    def plot(self, path: Path, n_tokens: int = 2048) -> Path:
+        """Nodes on a circle, one arrow per edge labelled with quality and predicted speedup."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = {h: n.name for h, n in self.nodes.items()}
+        angles = np.linspace(0, 2 * np.pi, len(names), endpoint=False)
+        pos = {h: (np.cos(a), np.sin(a)) for h, a in zip(names, angles, strict=True)}
+        fig, ax = plt.subplots(figsize=(8, 8))
+        for h, (x, y) in pos.items():
+            ax.scatter([x], [y], s=2500, color="#dde6f5", zorder=2)
+            ax.text(x, y, names[h], ha="center", va="center", fontsize=9, zorder=3)
+        for e, row in zip(self.edges, self.rows(n_tokens), strict=True):
+            (x0, y0), (x1, y1) = pos[e.sender["weights_hash"]], pos[e.receiver["weights_hash"]]
+            color = {"mapflow": "tab:blue", "heterofold": "tab:orange"}.get(e.transport, "gray")
+            ax.annotate(
+                "", xy=(x1, y1), xytext=(x0, y0),
+                arrowprops=dict(arrowstyle="-|>", color=color, lw=1.5, shrinkA=28, shrinkB=28,
+                                connectionstyle="arc3,rad=0.15"),
+            )  # fmt: skip
+            q = row["top1_agreement"]
+            sp = row["speedup"]
+            label = f"{e.transport}\ntop1 {q:.2f}" if q is not None else e.transport
+            if sp:
+                label += f", {sp:.1f}x"
+            ax.text((x0 + x1) / 2 * 0.8, (y0 + y1) / 2 * 0.8 + 0.05, label, fontsize=7, color=color, ha="center")
+        ax.set_title(f"ctxrelay transport graph (speedup predicted at {n_tokens} tokens)")
+        ax.set_xlim(-1.5, 1.5)
+        ax.set_ylim(-1.5, 1.5)
+        ax.axis("off")
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        return path
