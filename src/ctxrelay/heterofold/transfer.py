@@ -1,0 +1,179 @@
+"""Sender ContextState (pre-RoPE K, V, offsets) -> receiver cache, without receiver prefill.
+
+Steps, each timed into the RelayOutput contract:
+  translate  tokenize the text with the receiver's tokenizer, align tokens, apply the per-layer maps
+  copy       bring the sender's K/V to the receiver's device and dtype
+  assemble   the receiver's own k-norm + RoPE at its own positions; native one-token passes for
+             the attention sink and special tokens (never translated)
+  first token  the appended tokens (question / new turn) run natively over the assembled cache
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Literal
+
+import torch
+
+from ctxrelay.artifact import Artifact, model_binding
+from ctxrelay.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
+from ctxrelay.heterofold.maps import FoldMaps, translate
+from ctxrelay.models import runner
+from ctxrelay.models.runner import KVCache
+from ctxrelay.models.spec import LoadedModel
+from ctxrelay.state import BindingError, ContextState, tokenize_with_offsets
+from ctxrelay.transport import RelayOutput, Stopwatch
+
+TRANSPORT = "heterofold"
+ARTIFACT_VERSION = 1
+
+
+def check_bindings(receiver: LoadedModel, state: ContextState, artifact: Artifact) -> None:
+    """Refuse an artifact of another transport/version, a state from another sender, another receiver."""
+    if artifact.transport != TRANSPORT:
+        raise BindingError(f"a {artifact.transport} artifact cannot drive the {TRANSPORT} transport")
+    if artifact.version != ARTIFACT_VERSION:
+        raise BindingError(
+            f"{TRANSPORT} artifact is format v{artifact.version}; this ctxrelay reads v{ARTIFACT_VERSION}: "
+            "recalibrate with `ctxrelay calibrate --transport heterofold`"
+        )
+    s = artifact.sender
+    sender_view = SimpleNamespace(
+        spec=SimpleNamespace(name=s["name"], weights_hash=s["weights_hash"], tokenizer_hash=s["tokenizer_hash"])
+    )
+    state.check(sender_view)  # the state must come from the artifact's sender (weights and tokenizer)
+    artifact.check(None, receiver)
+    if not state.has("kv"):
+        raise ValueError(
+            "this context state holds no pre-RoPE keys/values; heterofold needs them: "
+            "capture the sender state with kv=True (ctxrelay.state.capture_state)"
+        )
+    p = artifact.params
+    want = (p["sender_layers"], p["sender_kv_heads"], p["sender_head_dim"])
+    k = state.keys_pre_rope
+    got = (k.shape[0], k.shape[2], k.shape[3])
+    if got != want or state.values.shape != k.shape or k.shape[1] != state.num_tokens:
+        raise ValueError(
+            f"state K/V {tuple(k.shape)} / {tuple(state.values.shape)} do not fit the artifact's sender "
+            f"(layers, kv_heads, head_dim) = {want} with {state.num_tokens} tokens"
+        )
+
+
+def align_for(receiver: LoadedModel, state: ContextState, artifact: Artifact, ids=None, offsets=None) -> Alignment:
+    if ids is None:
+        ids, offsets = tokenize_with_offsets(receiver, state.text)
+    return align_ids(
+        ids,
+        offsets,
+        special_ids_of(receiver.tokenizer),
+        state.tokens,
+        state.offsets,
+        set(artifact.params.get("sender_special_ids", [])),
+        artifact.params.get("pairing", "ta"),
+    )
+
+
+@torch.inference_mode()
+def fill_native(m: LoadedModel, ids: torch.Tensor, cache: KVCache, positions: list[int]) -> None:
+    """Compute the receiver's own K/V at `positions` (sink, specials) and write them into `cache`.
+
+    The leading run 0..p-1 is one pass from an empty cache; every later position q is a one-token
+    pass over the cache truncated to q (it sees what precedes it, as in native prefill).
+    """
+    p = 0
+    while p < len(positions) and positions[p] == p:
+        p += 1
+    if p:
+        out = runner.forward(m, ids[:p], logits="none")
+        for i in range(m.spec.num_layers):
+            cache.keys[i][:, :, :p] = out.cache.keys[i]
+            cache.values[i][:, :, :p] = out.cache.values[i]
+    for q in positions[p:]:
+        part = KVCache([k[:, :, :q] for k in cache.keys], [v[:, :, :q] for v in cache.values])
+        out = runner.forward(m, ids[q : q + 1], part, logits="none")
+        for i in range(m.spec.num_layers):
+            cache.keys[i][:, :, q] = out.cache.keys[i][:, :, q]
+            cache.values[i][:, :, q] = out.cache.values[i][:, :, q]
+
+
+def relay_prefill(
+    receiver: LoadedModel,
+    state: ContextState,
+    artifact: Artifact,
+    suffix_ids: torch.Tensor,
+    *,
+    logits: Literal["last", "all"] = "last",
+) -> RelayOutput:
+    """Receiver cache for `state.text` from the sender's K/V, then `suffix_ids` natively.
+
+    With an empty suffix the last context token runs natively so there are next-token logits.
+    logits="all" returns logits for every suffix position (quality benchmarks); the contract is "last".
+    """
+    sw = Stopwatch()
+    with sw("translate_s"):
+        check_bindings(receiver, state, artifact)
+        suffix = torch.as_tensor(suffix_ids, dtype=torch.long).view(-1)
+        if suffix.numel() and (int(suffix.min()) < 0 or int(suffix.max()) >= receiver.spec.vocab_size):
+            raise ValueError(f"suffix ids must be token ids of {receiver.name} (0..{receiver.spec.vocab_size - 1})")
+        ids, offsets = tokenize_with_offsets(receiver, state.text)
+        if suffix.numel() == 0:
+            if ids.numel() == 0:
+                raise ValueError("nothing to run: the context text and the suffix are both empty")
+            ids, offsets, suffix = ids[:-1], offsets[:-1], ids[-1:]
+        al = align_for(receiver, state, artifact, ids, offsets)
+        maps = FoldMaps.from_tensors(artifact.tensors, artifact.params["sources"])
+    with sw("copy_s"):
+        send_k = state.keys_pre_rope.to(receiver.device, receiver.dtype)
+        send_v = state.values.to(receiver.device, receiver.dtype)
+    with sw("translate_s"):
+        s = receiver.spec
+        keys, values = translate(maps, send_k, send_v, al.src.to(receiver.device), s.num_kv_heads, s.head_dim)
+    with sw("assemble_s"):
+        cache = runner.cache_from_pre_rope(receiver, keys, values) if ids.numel() else KVCache.empty(receiver)
+        if ids.numel():
+            fill_native(receiver, ids, cache, al.native)
+    with sw("first_token_s"):
+        out = runner.forward(receiver, suffix, cache, logits=logits)
+        first = int(out.logits[-1].argmax())
+    info = {
+        "method": artifact.params.get("method", ""),
+        "pairing": artifact.params.get("pairing", "ta"),
+        "context_tokens": int(ids.numel()),
+        "sender_tokens": state.num_tokens,
+        "native_positions": len(al.native),
+        "exact_boundaries": al.exact,
+        "char_mismatch": al.char_mismatch,
+        "first_token": first,
+    }
+    return RelayOutput(out.cache, out.logits, sw.timings, info)
+
+
+def identity_artifact(m: LoadedModel) -> Artifact:
+    """A model transferring to itself with identity maps (the exactness check)."""
+    s = m.spec
+    sources = layer_sources(s.num_layers, s.num_layers)
+    maps = FoldMaps.identity(sources, s.num_kv_heads * s.head_dim)
+    return Artifact(
+        transport=TRANSPORT,
+        version=ARTIFACT_VERSION,
+        sender=model_binding(m),
+        receiver=model_binding(m),
+        tensors=maps.to_tensors(torch.float32),
+        params=pair_params(m, m, sources, method="identity", pairing="ta"),
+    )
+
+
+def pair_params(sender: LoadedModel, receiver: LoadedModel, sources: list[list[int]], **extra) -> dict:
+    """The shape facts and sender specials an artifact needs at relay time."""
+    s, r = sender.spec, receiver.spec
+    return {
+        "sources": sources,
+        "sender_layers": s.num_layers,
+        "sender_kv_heads": s.num_kv_heads,
+        "sender_head_dim": s.head_dim,
+        "receiver_layers": r.num_layers,
+        "receiver_kv_heads": r.num_kv_heads,
+        "receiver_head_dim": r.head_dim,
+        "sender_special_ids": sorted(special_ids_of(sender.tokenizer)),
+        **extra,
+    }
