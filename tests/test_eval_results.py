@@ -1,5 +1,6 @@
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -56,6 +57,16 @@ def test_median_time_counts_calls():
     assert len(calls) == 7 and len(times) == 5 and min(times) <= med <= max(times)
     with pytest.raises(EvalError):
         R.median_time(lambda: None, repeats=0)
+
+
+def test_machine_busy_share():
+    busy = R.machine_busy(sample_s=0.2)
+    assert busy is None or 0.0 <= busy <= 1.0
+    # a threshold every share meets returns after one sample, however long it may wait
+    t0 = time.monotonic()
+    busy = R.wait_until_quiet(threshold=1.0, max_wait_s=60, poll_s=0.1)
+    assert busy is None or 0.0 <= busy <= 1.0
+    assert time.monotonic() - t0 < 5
 
 
 def test_plots_write_png(tmp_path):

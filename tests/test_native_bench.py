@@ -25,6 +25,7 @@ def test_bench_writes_results_for_tiny_models(tiny_by_family, tmp_path, monkeypa
         assert len(r["times_s"]) == r["repeats"] == 2 and len(r["warmup_s"]) == 1
         assert r["native_ttft_s"] == sorted(r["times_s"])[0] + (sorted(r["times_s"])[1] - sorted(r["times_s"])[0]) / 2
         assert r["tokens_per_s"] == pytest.approx(r["context_tokens"] / r["native_ttft_s"])
+        assert 0 < r["cpu_share"] <= 1.5
 
 
 def test_timed_call_is_native_prefill(tiny_by_family):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from tqdm import tqdm
 from ctxrelay.eval import EvalError
 from ctxrelay.eval.datasets import essay_haystack
 from ctxrelay.eval.plots import line_plot, plot_path
-from ctxrelay.eval.results import median_time, write_results
+from ctxrelay.eval.results import median_time, wait_until_quiet, write_results
 from ctxrelay.models import runner
 from ctxrelay.models.spec import LoadedModel
 
@@ -32,7 +33,18 @@ ZOO_ORDER = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder
 #   slow_repeats=1
 #   split=heldout   essay split the contexts come from
 #   seed=0          essay order rotation
-DEFAULTS = {"warmup": 1, "slow_s": 0.0, "slow_repeats": 1, "split": "heldout", "seed": 0}
+#   quiet_wait_s=0  if > 0: before each point wait up to this long for other work to leave the
+#                   cores idle (busy share <= quiet_busy); the row records the busy share seen
+#   quiet_busy=0.25
+DEFAULTS = {
+    "warmup": 1,
+    "slow_s": 0.0,
+    "slow_repeats": 1,
+    "split": "heldout",
+    "seed": 0,
+    "quiet_wait_s": 0.0,
+    "quiet_busy": 0.25,
+}
 
 
 def model_names(model: str) -> list[str]:
@@ -67,6 +79,10 @@ def native_ttft(m: LoadedModel, ids: torch.Tensor) -> int:
 def measure_point(m: LoadedModel, n_tokens: int, repeats: int, opts: dict) -> dict:
     ids = context_ids(m, n_tokens, opts["split"], int(opts["seed"]))
     run = lambda: native_ttft(m, ids)
+    busy_before = None
+    if opts["quiet_wait_s"]:
+        busy_before = wait_until_quiet(float(opts["quiet_busy"]), float(opts["quiet_wait_s"]))
+    cpu0 = time.process_time()
     warm = []
     for _ in range(int(opts["warmup"])):
         _, t = median_time(run, repeats=1, warmup=0)
@@ -75,7 +91,8 @@ def measure_point(m: LoadedModel, n_tokens: int, repeats: int, opts: dict) -> di
     if opts["slow_s"] and warm and warm[-1] > float(opts["slow_s"]):
         n = min(repeats, int(opts["slow_repeats"]))
     median, times = median_time(run, repeats=n, warmup=0)
-    return {
+    cpu = time.process_time() - cpu0
+    row = {
         "transport": "native",
         "method": "prefill",
         "receiver": m.name,
@@ -85,8 +102,14 @@ def measure_point(m: LoadedModel, n_tokens: int, repeats: int, opts: dict) -> di
         "repeats": n,
         "times_s": times,
         "warmup_s": warm,
-        "loadavg_1m": os.getloadavg()[0],  # other work on the machine perturbs timings; record it
+        # Other work on the shared machine perturbs timings: record how much CPU we actually got
+        # (process CPU seconds / (wall seconds x torch threads); ~1 when we had our cores to ourselves).
+        "cpu_share": cpu / ((sum(warm) + sum(times)) * torch.get_num_threads()),
+        "loadavg_1m": os.getloadavg()[0],
     }
+    if busy_before is not None:
+        row["busy_before"] = busy_before
+    return row
 
 
 def plot(rows: list[dict], path: Path) -> Path:

@@ -164,6 +164,39 @@ def read_results(name_or_path: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies over all cores since boot, from /proc/stat (None off Linux)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def machine_busy(sample_s: float = 1.0) -> float | None:
+    """Share of all cores busy over `sample_s` seconds (call it while this process is idle)."""
+    a = _cpu_ticks()
+    time.sleep(sample_s)
+    b = _cpu_ticks()
+    if a is None or b is None or b[1] == a[1]:
+        return None
+    return (b[0] - a[0]) / (b[1] - a[1])
+
+
+def wait_until_quiet(threshold: float = 0.25, max_wait_s: float = 0.0, poll_s: float = 10.0) -> float | None:
+    """Wait (up to max_wait_s) until other work leaves the cores mostly idle; returns the last busy share.
+
+    The machine is shared: a timing taken while another job computes measures that job too.
+    """
+    busy = machine_busy()
+    deadline = time.monotonic() + max_wait_s
+    while busy is not None and busy > threshold and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        busy = machine_busy()
+    return busy
+
+
 def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> tuple[float, list[float]]:
     """Run `fn` `warmup` times untimed, then `repeats` times timed; (median seconds, all times)."""
     if repeats < 1:
