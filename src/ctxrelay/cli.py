@@ -212,6 +212,22 @@ def graph(
         console.print(f"[green]plot written:[/] {pool.graph.plot(Path(plot), tokens)}")
 
 
+@app.command()
+def serve(
+    models: str = typer.Option("qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
+    store: str = typer.Option("memory", help="memory[:SIZE] | disk:PATH | redis://HOST:PORT/DB, joined by '+'"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8321),
+    quality_threshold: float = typer.Option(0.0, help="minimum calibrated top-1 agreement to relay"),
+    threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
+) -> None:
+    """Serve the relay over HTTP (POST /prefill, POST /continue, GET /graph, /models, /healthz)."""
+    from ctxrelay.serve.app import serve as run_server
+
+    set_threads(threads or None)
+    run_server([m for m in models.split(",") if m], store, host, port, quality_threshold)
+
+
 def _print_graph(pool, tokens: int) -> None:
     g = pool.graph
     nodes = Table(title="nodes (model versions)")
