@@ -4,6 +4,15 @@ The relay layer calls `relay_prefill(receiver, state, artifact, suffix_ids)`; ar
 `calibrate(...)` (driven by `ctxrelay calibrate --transport heterofold`).
 """
 
+from ctxrelay.heterofold.calibrate import METHODS, CalibConfig, calibrate
 from ctxrelay.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, identity_artifact, relay_prefill
 
-__all__ = ["ARTIFACT_VERSION", "TRANSPORT", "identity_artifact", "relay_prefill"]
+__all__ = [
+    "ARTIFACT_VERSION",
+    "METHODS",
+    "TRANSPORT",
+    "CalibConfig",
+    "calibrate",
+    "identity_artifact",
+    "relay_prefill",
+]

@@ -1,0 +1,99 @@
+"""Held-out quality of a heterofold artifact against the receiver's own native prefill.
+
+A held-out text is cut into a context (the sender prefills it; the receiver gets it only through
+the transport) and a continuation of `suffix` receiver tokens, teacher-forced natively on top.
+Over the continuation: top-1 agreement and KL(native || relay) of the next-token distributions,
+perplexity of the true continuation at several horizons (relay, native, and with no context).
+These are the numbers the relay layer gates on (artifact.quality). The same formulas live in
+ctxrelay.eval.metrics, a floor above this one (transports may not import it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ctxrelay.artifact import Artifact
+from ctxrelay.models import runner
+from ctxrelay.models.spec import LoadedModel
+from ctxrelay.state import ContextState, capture_state, tokenize_with_offsets
+
+HORIZONS = (1, 16, 32, 128)
+
+
+@dataclass
+class HeldoutItem:
+    state: ContextState  # sender state of the context text
+    suffix: torch.Tensor  # [n] receiver ids of the continuation
+    native_logprobs: torch.Tensor  # [n - 1, V] native log-probs at suffix positions 0..n-2
+    no_context_nll: torch.Tensor  # [n - 1] NLL of suffix[1:] with the suffix alone
+
+
+def split_text(receiver: LoadedModel, text: str, suffix_tokens: int) -> tuple[str, str]:
+    """Cut `text` at a receiver token end so the continuation holds about `suffix_tokens` tokens."""
+    ids, offs = tokenize_with_offsets(receiver, text)
+    if ids.shape[0] < suffix_tokens + 32:
+        raise ValueError(
+            f"held-out text has {ids.shape[0]} {receiver.name} tokens; need > {suffix_tokens + 32} "
+            "(context + continuation): pass longer held-out texts"
+        )
+    cut = int(offs[ids.shape[0] - suffix_tokens - 1, 1])
+    return text[:cut], text[cut:]
+
+
+def suffix_ids(receiver: LoadedModel, text: str) -> torch.Tensor:
+    ids, offs = tokenize_with_offsets(receiver, text)
+    return ids[offs[:, 1] > offs[:, 0]]  # no added BOS/EOS inside an appended span
+
+
+@torch.inference_mode()
+def make_item(sender: LoadedModel, receiver: LoadedModel, text: str, suffix_tokens: int = 129) -> HeldoutItem:
+    context, rest = split_text(receiver, text, suffix_tokens)
+    state, _ = capture_state(sender, context, tenant="calibration")
+    suf = suffix_ids(receiver, rest)
+    ctx_ids = tokenize_with_offsets(receiver, context)[0]
+    native = runner.forward(receiver, torch.cat([ctx_ids, suf]), logits="all").logits[-len(suf) : -1]
+    alone = runner.forward(receiver, suf, logits="all").logits[:-1]
+    return HeldoutItem(state, suf, torch.log_softmax(native.float(), -1), nll(alone, suf[1:]))
+
+
+def nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return -torch.log_softmax(logits.double(), -1).gather(1, targets[:, None]).squeeze(1)
+
+
+def ppl(nlls: list[torch.Tensor], horizons=HORIZONS) -> dict[str, float]:
+    """Perplexity over the first H targets of every item, pooled."""
+    out = {}
+    for h in horizons:
+        parts = [x[:h] for x in nlls if x.shape[0] >= h]
+        if parts:
+            out[str(h)] = math.exp(float(torch.cat(parts).mean()))
+    return out
+
+
+@torch.inference_mode()
+def evaluate(receiver: LoadedModel, artifact: Artifact, items: list[HeldoutItem], horizons=HORIZONS) -> dict:
+    """top1_agreement, kl, ppl / native_ppl / no_context_ppl per horizon over `items`."""
+    from ctxrelay.heterofold.transfer import relay_prefill
+
+    agree, kls, relay_nll, native_nll = [], [], [], []
+    for it in items:
+        out = relay_prefill(receiver, it.state, artifact, it.suffix, logits="all")
+        lp = torch.log_softmax(out.logits[:-1].float(), -1)
+        agree.append((lp.argmax(-1) == it.native_logprobs.argmax(-1)).float())
+        p = it.native_logprobs.exp()
+        kls.append((p * (it.native_logprobs - lp)).sum(-1).clamp_min(0))
+        targets = it.suffix[1:]
+        relay_nll.append(-lp.double().gather(1, targets[:, None]).squeeze(1))
+        native_nll.append(-it.native_logprobs.double().gather(1, targets[:, None]).squeeze(1))
+    return {
+        "top1_agreement": float(torch.cat(agree).mean()),
+        "kl": float(torch.cat(kls).mean()),
+        "ppl": ppl(relay_nll, horizons),
+        "native_ppl": ppl(native_nll, horizons),
+        "no_context_ppl": ppl([it.no_context_nll for it in items], horizons),
+        "items": len(items),
+        "positions": int(sum(x.shape[0] for x in agree)),
+    }
