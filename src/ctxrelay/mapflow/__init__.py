@@ -52,12 +52,13 @@ def relay_prefill(receiver: LoadedModel, state, artifact, suffix_ids: torch.Tens
 
 
 def predict_cost(artifact, n_tokens: int) -> dict:
-    from ctxrelay.mapflow import calibrate as cal
+    from ctxrelay.mapflow import calibration
 
-    return cal.predict_cost(artifact, n_tokens)
+    return calibration.predict_cost(artifact, n_tokens)
 
 
-def calibrate(sender, receiver, texts_train, texts_heldout, options=None, command="", out=None, resume=True):
-    from ctxrelay.mapflow import calibrate as cal
+def calibrate(sender, receiver, texts_train, texts_heldout, options=None, command="", out=None, resume=True, log=print):
+    """Calibrate the pair (see calibration.py) and return its Artifact (saved to `out` when given)."""
+    from ctxrelay.mapflow import calibration
 
-    return cal.calibrate(sender, receiver, texts_train, texts_heldout, options or {}, command, out, resume)
+    return calibration.calibrate(sender, receiver, texts_train, texts_heldout, options or {}, command, out, resume, log)

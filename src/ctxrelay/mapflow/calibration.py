@@ -1,0 +1,311 @@
+"""Calibrate one sender -> receiver pair: cached sender maps, diagnosis, end-to-end W, per-layer modes.
+
+Steps (each with a progress bar; the expensive ones cached or checkpointed so a rerun resumes):
+  1. sender maps of every calibration context, compressed once and cached on disk (the sender is
+     the expensive model; later runs never prefill it again);
+  2. receiver reference: native next-token logits over each appended span, sampled map rows;
+  3. diagnosis: simplex fits + TV for every (receiver layer, sender layer), coverage, heatmap,
+     layer mapping, r, refusal (diagnose.py);
+  4. W trained end to end with the receiver's response loss, all reused layers in replace mode
+     (train.py; checkpointed, resumable);
+  5. per-layer mode choice (modes.py): guided where it keeps quality, replace where even the
+     trained mixture keeps it, native where neither does;
+  6. held-out report and the artifact (tensors W per layer + manifest with r, p, B, mapping, modes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ctxrelay import tensorfile
+from ctxrelay.artifact import Artifact, model_binding
+from ctxrelay.mapflow import diagnose, modes, train
+from ctxrelay.mapflow.reuse import ReuseConfig
+from ctxrelay.mapflow.sparse import BlockMaps, MapCapture, maps_from_tensors
+from ctxrelay.models import runner
+from ctxrelay.models.spec import LoadedModel
+
+VERSION = 1
+
+
+class Refused(RuntimeError):
+    """The pair has no reliable reuse region: mapflow should not be used for it."""
+
+
+@dataclass
+class CalibOptions:
+    block: int = 64
+    top_p: float = 0.9  # sender map top-p the artifact uses
+    capture_p: float = 0.98  # sender maps are cached at this p and re-selected down
+    guided_p: float = 0.9
+    unit: str = "group"
+    ctx_tokens: int = 512
+    suffix_tokens: int = 64
+    train_texts: int = 16
+    select_texts: int = 6  # train texts the mode choice is scored on (held-out stays untouched)
+    heldout_texts: int = 8
+    diag_texts: int = 6
+    diag_rows: int = 64
+    tv_max: float = 0.5
+    mapping: str = "auto"
+    r: int = -1  # -1: chosen by the diagnosis
+    min_layers: int = 2
+    train_steps: int = 96
+    lr: float = 0.05
+    min_top1: float = 0.85  # mode choice target (on the selection texts)
+    modes: str = "mixed"  # mixed | replace | guided
+    force: bool = False  # calibrate even when the diagnosis refuses the pair
+    seed: int = 0
+    cache_dir: str = ""
+
+    @staticmethod
+    def from_dict(options: dict) -> CalibOptions:
+        known = {f.name: f.type for f in fields(CalibOptions)}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"unknown mapflow calibration option(s) {unknown}; known: {', '.join(sorted(known))}")
+        opts = CalibOptions(**options)
+        if opts.modes not in ("mixed", "replace", "guided"):
+            raise ValueError(f"modes={opts.modes!r}: use mixed, replace or guided")
+        if not 0 < opts.top_p <= opts.capture_p <= 1:
+            raise ValueError(f"need 0 < top_p ({opts.top_p}) <= capture_p ({opts.capture_p}) <= 1")
+        return opts
+
+
+@dataclass
+class Item:
+    """One calibration context and what both models say about it."""
+
+    ctx: torch.Tensor  # [T]
+    suffix: torch.Tensor  # [S]
+    maps: dict[int, BlockMaps]  # sender, at capture_p
+    native: torch.Tensor  # [S, V] receiver logits predicting each suffix token
+    prepared: dict = field(default_factory=dict)  # operator plans cached across training steps
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+
+def split_texts(m: LoadedModel, texts: list[str], opts: CalibOptions, limit: int) -> list[tuple]:
+    """(context ids, suffix ids) for texts long enough; the context starts with the tokenizer's specials."""
+    out = []
+    for text in texts:
+        ids = m.tokenizer(text, add_special_tokens=True, return_tensors="pt")["input_ids"][0]
+        if ids.shape[0] >= opts.ctx_tokens + opts.suffix_tokens:
+            out.append((ids[: opts.ctx_tokens], ids[opts.ctx_tokens : opts.ctx_tokens + opts.suffix_tokens]))
+        if len(out) == limit:
+            break
+    if len(out) < min(limit, 2):
+        raise ValueError(
+            f"only {len(out)} calibration text(s) reach {opts.ctx_tokens + opts.suffix_tokens} tokens; "
+            "pass longer texts or lower ctx_tokens/suffix_tokens"
+        )
+    return out
+
+
+def pair_cache_dir(sender: LoadedModel, receiver: LoadedModel, opts: CalibOptions) -> Path:
+    root = Path(opts.cache_dir or os.environ.get("CTXRELAY_CACHE", Path.home() / ".cache" / "ctxrelay")) / "mapflow"
+    return root / f"{sender.spec.name}-{sender.spec.weights_hash[:10]}"
+
+
+def sender_maps(
+    sender: LoadedModel, ctx: torch.Tensor, opts: CalibOptions, rows: torch.Tensor, cache: Path
+) -> tuple[dict[int, BlockMaps], torch.Tensor]:
+    """Compressed maps (at capture_p) and sampled dense rows of every sender layer; cached on disk."""
+    key = hashlib.sha256(ctx.numpy().tobytes() + f"{opts.block}:{opts.capture_p}:{rows.tolist()}".encode())
+    path = cache / f"maps-{key.hexdigest()[:24]}.safetensors"
+    if path.exists():
+        try:
+            tensors, manifest = tensorfile.read(path)
+            rows_t = tensors.pop("diag_rows")
+            return maps_from_tensors(tensors, manifest["maps_meta"]), rows_t
+        except (tensorfile.TensorFileError, KeyError):
+            path.unlink(missing_ok=True)  # damaged cache entry: recompute
+    s = sender.spec
+    cap = MapCapture(s.num_heads, s.num_layers, top_p=opts.capture_p, block=opts.block, sender=s.name)
+    sampler = diagnose.RowSampler(rows, s.num_layers)
+    capture = runner.Capture(on_probs=diagnose.chain(cap.on_probs, sampler.on_probs), prob_chunk=opts.block)
+    runner.forward(sender, ctx, capture=capture, logits="none")
+    tensors, meta = cap.result()
+    rows_t = sampler.result()
+    tensorfile.write(path, {**tensors, "diag_rows": rows_t}, {"kind": "mapflow_sender_maps", "maps_meta": meta})
+    return maps_from_tensors(tensors, meta), rows_t
+
+
+def receiver_reference(receiver: LoadedModel, ctx: torch.Tensor, suffix: torch.Tensor) -> torch.Tensor:
+    """Native logits [S, V] predicting each suffix token (the last context position predicts suffix[0])."""
+    first = runner.forward(receiver, ctx, logits="last")
+    rest = runner.forward(receiver, suffix[:-1], first.cache, logits="all").logits
+    return torch.cat([first.logits, rest]).float()
+
+
+def receiver_diag(receiver: LoadedModel, ctx: torch.Tensor, rows: torch.Tensor, block: int):
+    """Sampled dense rows [Lr, Hr, R, T] and full block masses [Lr, Hr, nqb, nkb] of the receiver."""
+    s = receiver.spec
+    sampler = diagnose.RowSampler(rows, s.num_layers)
+    mass = diagnose.BlockMassCollector(s.num_layers, ctx.shape[0], block)
+    capture = runner.Capture(on_probs=diagnose.chain(sampler.on_probs, mass.on_probs), prob_chunk=block)
+    runner.forward(receiver, ctx, capture=capture, logits="none")
+    return sampler.result(), mass.result()
+
+
+# ---- the whole calibration ---------------------------------------------------------------------------
+
+
+def calibrate(
+    sender: LoadedModel,
+    receiver: LoadedModel,
+    texts_train: list[str],
+    texts_heldout: list[str],
+    options: dict,
+    command: str,
+    out: str | Path | None,
+    resume: bool = True,
+    log=print,
+) -> Artifact:
+    opts = CalibOptions.from_dict(options)
+    s, r = sender.spec, receiver.spec
+    if s.tokenizer_hash != r.tokenizer_hash:
+        raise Refused(
+            f"{s.name} and {r.name} do not share a tokenizer: attention maps cannot be reused between them "
+            "(use heterofold for cross-tokenizer pairs)"
+        )
+    torch.manual_seed(opts.seed)
+    t_start = time.perf_counter()
+    cache = pair_cache_dir(sender, receiver, opts)
+    cache.mkdir(parents=True, exist_ok=True)
+    rows = diagnose.sample_rows(opts.ctx_tokens, opts.diag_rows, opts.block)
+
+    train_pairs = split_texts(receiver, texts_train, opts, opts.train_texts)
+    held_pairs = split_texts(receiver, texts_heldout, opts, opts.heldout_texts)
+    with torch.inference_mode():
+        items, held, diag_s, diag_r, diag_mass = [], [], [], [], []
+        for k, (ctx, suf) in enumerate(tqdm(train_pairs + held_pairs, desc="sender maps + receiver reference")):
+            maps, s_rows = sender_maps(sender, ctx, opts, rows, cache)
+            item = Item(ctx, suf, maps, receiver_reference(receiver, ctx, suf))
+            (items if k < len(train_pairs) else held).append(item)
+            if k < min(opts.diag_texts, len(train_pairs)):
+                r_rows, r_mass = receiver_diag(receiver, ctx, rows, opts.block)
+                diag_s.append(s_rows)
+                diag_r.append(r_rows)
+                diag_mass.append(r_mass)
+    log(f"data: {len(items)} train, {len(held)} held-out contexts of {opts.ctx_tokens}+{opts.suffix_tokens} tokens")
+
+    # diagnosis
+    tv, w_fit = diagnose.fit_grid(diag_s, diag_r)
+    diag_maps = [{sl: it.maps[sl] for sl in range(s.num_layers)} for it in items[: len(diag_s)]]
+    cov = diagnose.coverage_grid(diag_maps, diag_mass, w_fit, opts.guided_p, r.num_kv_heads, opts.unit)
+    d = diagnose.decide(
+        tv,
+        cov,
+        w_fit,
+        tv_max=opts.tv_max,
+        mapping=opts.mapping,
+        min_layers=opts.min_layers,
+        r=None if opts.r < 0 else opts.r,
+    )
+    fig = Path(out).with_suffix(".diagnosis.png") if out else None
+    if fig is not None:
+        diagnose.heatmap(d, fig, f"mapflow diagnosis {s.name} -> {r.name} ({len(diag_s)} contexts)")
+    log(f"diagnosis: mapping={d.mapping_name} r={d.r} refused={d.refused} {d.reason}")
+    if d.refused and not opts.force:
+        raise Refused(f"mapflow refuses {s.name} -> {r.name}: {d.reason}")
+
+    reused = list(range(d.r, r.num_layers))
+    w_guided = {j: w_fit[j, d.mapping[j]] for j in reused}
+
+    def config(layer_modes: list[str], w_rep: dict[int, torch.Tensor]) -> ReuseConfig:
+        w = {j: (w_rep[j] if m == "replace" else w_guided[j]) for j, m in enumerate(layer_modes) if m != "native"}
+        mapping = [d.mapping[j] if m != "native" else -1 for j, m in enumerate(layer_modes)]
+        return ReuseConfig(layer_modes, mapping, w, opts.top_p, opts.guided_p, opts.unit, block=opts.block)
+
+    all_replace = ["native"] * d.r + ["replace"] * len(reused)
+    all_guided = ["native"] * d.r + ["guided"] * len(reused)
+
+    # end-to-end training of W (replace mode in every reused layer, as the paper trains it)
+    w_trained, train_log = w_guided, {}
+    if opts.modes in ("mixed", "replace") and reused and opts.train_steps > 0:
+        ckpt = cache / f"train-{r.weights_hash[:10]}-{_opts_key(opts, d)}.safetensors"
+        w_trained, train_log = train.train_w(
+            receiver, items, config(all_replace, w_guided), w_guided, opts.train_steps, opts.lr, ckpt, resume, log
+        )
+
+    # per-layer modes
+    select = items[: opts.select_texts]
+    if opts.modes == "replace":
+        chosen, choice_log = all_replace, {}
+    elif opts.modes == "guided":
+        chosen, choice_log = all_guided, {}
+    else:
+        order = sorted(reused, key=lambda j: float(d.tv[j, d.mapping[j]]))  # best-fitting layers first
+        chosen, choice_log = modes.choose_modes(
+            lambda lm: modes.evaluate(receiver, select, config(lm, w_trained)),
+            all_guided,
+            replace_order=order,
+            native_order=sorted(reused, key=lambda j: float(d.coverage[j, d.mapping[j]])),
+            min_top1=opts.min_top1,
+            log=log,
+        )
+
+    # held-out report
+    final = config(chosen, w_trained)
+    quality = modes.evaluate(receiver, held, final)
+    variants = {}
+    for name, lm in (("replace", all_replace), ("guided", all_guided)):
+        if lm != chosen:
+            variants[name] = modes.evaluate(receiver, held, config(lm, w_trained))
+    quality.update(
+        {
+            "method": final.method(),
+            "heldout_contexts": len(held),
+            "context_tokens": opts.ctx_tokens,
+            "suffix_tokens": opts.suffix_tokens,
+            "variants": variants,
+            "selection": choice_log,
+            "training": train_log,
+            "diagnosis": d.summary(),
+            "calibration_s": round(time.perf_counter() - t_start, 1),
+        }
+    )
+    log(f"held-out: top1 {quality['top1_agreement']:.3f} kl {quality['kl']:.3f} ({final.method()}: {final.counts()})")
+    params = {
+        **final.to_params(),
+        "mapping_name": d.mapping_name,
+        "alignment": "suffix" if d.mapping_name == "suffix" else "best-fit",
+        "capture_p": opts.capture_p,
+        "options": asdict(opts),
+    }
+    art = Artifact(
+        transport="mapflow",
+        version=VERSION,
+        sender=model_binding(sender),
+        receiver=model_binding(receiver),
+        tensors={**final.w_tensors(), "diagnosis.tv": d.tv.float(), "diagnosis.coverage": d.coverage.float()},
+        params=params,
+        quality=quality,
+        command=command,
+    )
+    if out:
+        art.save(out)
+    return art
+
+
+def _opts_key(opts: CalibOptions, d: diagnose.Diagnosis) -> str:
+    parts = [opts.top_p, opts.block, opts.ctx_tokens, opts.suffix_tokens, opts.train_texts, opts.lr, d.r, d.mapping]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
+
+
+def predict_cost(artifact: Artifact, n_tokens: int) -> dict:
+    """Rough component model from the artifact's recorded per-mode cost ratios (the relay fits its own)."""
+    costs = artifact.quality.get("cost_model")
+    if not costs:
+        return {}
+    t = costs["native_s_per_token2"] * n_tokens**2 + costs["native_s_per_token"] * n_tokens
+    return {"assemble_s": t * costs["relay_ratio"], "copy_s": costs.get("copy_s_per_token", 0.0) * n_tokens}

@@ -1,0 +1,76 @@
+"""Per-layer mode choice by measured quality: guided, replace or native in each reused layer.
+
+Cost order on long contexts (measured in the benchmark): replace < guided < native. So the choice
+starts from guided everywhere, falls back to native in the layers guided covers worst until the
+quality target holds, then turns guided layers into replace, best-fitting first, keeping each
+change only if the target still holds. Every step is one evaluation of the receiver on the
+selection contexts, logged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ctxrelay.mapflow.reuse import ReuseConfig, context_pass
+from ctxrelay.models import runner
+from ctxrelay.models.spec import LoadedModel
+
+
+def relay_suffix_logits(receiver: LoadedModel, item, cfg: ReuseConfig) -> torch.Tensor:
+    """Logits [S, V] predicting each suffix token after a reuse-path prefill of the context."""
+    with torch.inference_mode():
+        cache, h = context_pass(receiver, item.ctx, item.maps, cfg)
+        first = runner.head(receiver, h, "last")
+        rest = runner.forward(receiver, item.suffix[:-1], cache, logits="all").logits
+    return torch.cat([first, rest]).float()
+
+
+def evaluate(receiver: LoadedModel, items: list, cfg: ReuseConfig) -> dict:
+    """Mean top-1 agreement and KL(native || relay) over the items' suffix positions."""
+    top1, kl, n = 0.0, 0.0, 0
+    for item in items:
+        logits = relay_suffix_logits(receiver, item, cfg)
+        ref = item.native
+        log_p, log_q = torch.log_softmax(ref.double(), -1), torch.log_softmax(logits.double(), -1)
+        kl += float((log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0).sum())
+        top1 += float((ref.argmax(-1) == logits.argmax(-1)).sum())
+        n += ref.shape[0]
+    return {"top1_agreement": top1 / max(1, n), "kl": kl / max(1, n), "positions": n}
+
+
+def choose_modes(
+    evaluate_fn: Callable[[list[str]], dict],
+    start: list[str],
+    *,
+    replace_order: list[int],
+    native_order: list[int],
+    min_top1: float,
+    log=print,
+) -> tuple[list[str], dict]:
+    """Greedy per-layer choice; returns (modes, log of every evaluated step)."""
+    steps = []
+
+    def score(layer_modes: list[str], what: str) -> dict:
+        q = evaluate_fn(layer_modes)
+        steps.append({"step": what, "top1": round(q["top1_agreement"], 4), "kl": round(q["kl"], 4)})
+        log(f"  modes {what}: top1 {q['top1_agreement']:.3f} kl {q['kl']:.3f}")
+        return q
+
+    cur = list(start)
+    q = score(cur, "start (guided in every reused layer)")
+    for j in native_order:  # guided too lossy: recompute the worst-covered layers natively
+        if q["top1_agreement"] >= min_top1:
+            break
+        cur[j] = "native"
+        q = score(cur, f"layer {j} -> native")
+    for j in replace_order:
+        if cur[j] != "guided" or q["top1_agreement"] < min_top1:
+            continue
+        trial = list(cur)
+        trial[j] = "replace"
+        qt = score(trial, f"layer {j} -> replace")
+        if qt["top1_agreement"] >= min_top1:
+            cur, q = trial, qt
+    return cur, {"steps": steps, "min_top1": min_top1, "final_top1": round(q["top1_agreement"], 4)}

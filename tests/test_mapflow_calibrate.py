@@ -1,0 +1,142 @@
+"""Calibration on tiny models (end to end, resumable), diagnosis decisions, relay_prefill contract."""
+
+import pytest
+import torch
+
+from conftest import SAMPLE_TEXT
+from ctxrelay import mapflow
+from ctxrelay.artifact import Artifact
+from ctxrelay.mapflow import diagnose
+from ctxrelay.mapflow.calibration import CalibOptions, Refused
+from ctxrelay.mapflow.sparse import MapsError
+from ctxrelay.models import runner
+from ctxrelay.models.tiny import tiny_model
+from ctxrelay.state import Binding, BindingError, ContextState, tokenize_with_offsets
+
+OPTS = dict(
+    block=16,
+    ctx_tokens=96,
+    suffix_tokens=16,
+    train_texts=3,
+    select_texts=2,
+    heldout_texts=2,
+    diag_texts=2,
+    diag_rows=16,
+    train_steps=4,
+    tv_max=0.9,
+    min_top1=0.5,
+    top_p=0.9,
+)
+
+
+def _texts(n, seed):
+    words = SAMPLE_TEXT.split()
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(words[i] for i in torch.randint(0, len(words), (90,), generator=g).tolist()) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_model("qwen2", layers=6, seed=1), tiny_model("qwen2", layers=4, seed=0)
+
+
+@pytest.fixture(scope="module")
+def artifact(pair, tmp_path_factory):
+    sender, receiver = pair
+    out = tmp_path_factory.mktemp("mf") / "tiny.safetensors"
+    opts = dict(OPTS, cache_dir=str(out.parent / "cache"))
+    art = mapflow.calibrate(sender, receiver, _texts(3, 0), _texts(2, 1), opts, "test", out, True)
+    return art, out
+
+
+def _state(m, text, top_p=0.95, block=16):
+    cap = mapflow.make_map_capture(m, top_p=top_p, block=block)
+    ids, offsets = tokenize_with_offsets(m, text)
+    runner.forward(m, ids, capture=runner.Capture(on_probs=cap.on_probs, prob_chunk=block), logits="none")
+    st = ContextState(text=text, tokens=ids, offsets=offsets, binding=Binding.of(m, "t1"))
+    st.maps, st.maps_meta = cap.result()
+    return st
+
+
+def test_calibration_writes_a_bound_artifact_with_quality(artifact, pair):
+    art, out = artifact
+    sender, receiver = pair
+    loaded = Artifact.load(out, transport=mapflow.TRANSPORT, version=mapflow.ARTIFACT_VERSION)
+    loaded.check(sender, receiver)
+    q = loaded.quality
+    assert 0.0 <= q["top1_agreement"] <= 1.0 and q["kl"] >= 0.0 and q["heldout_contexts"] == 2
+    assert q["training"]["history"] and q["diagnosis"]["mapping"] in ("best", "suffix")
+    p = loaded.params
+    assert len(p["modes"]) == receiver.spec.num_layers and p["top_p"] == 0.9 and p["block"] == 16
+    assert out.with_suffix(".diagnosis.png").exists()
+    for j, mode in enumerate(p["modes"]):
+        if mode in ("replace", "guided"):
+            w = loaded.tensors[f"w.{j}"]
+            assert w.shape == (sender.spec.num_heads, receiver.spec.num_heads)
+            assert torch.allclose(w.sum(0), torch.ones(w.shape[1]), atol=1e-4) and (w >= 0).all()
+
+
+def test_calibration_resumes_from_its_checkpoint(pair, artifact, tmp_path):
+    sender, receiver = pair
+    _, out = artifact
+    logs = []
+    opts = dict(OPTS, cache_dir=str(out.parent / "cache"), train_steps=6)
+    mapflow.calibrate(sender, receiver, _texts(3, 0), _texts(2, 1), opts, "test", None, True, log=logs.append)
+    assert any("resuming W training at step 4" in m for m in logs)
+
+
+def test_relay_prefill_contract(artifact, pair):
+    art, _ = artifact
+    sender, receiver = pair
+    st = _state(sender, SAMPLE_TEXT)
+    suffix = tokenize_with_offsets(receiver, " Question: what?")[0]
+    out = mapflow.relay_prefill(receiver, st, art, suffix)
+    assert out.logits.shape == (1, receiver.spec.vocab_size)
+    assert out.cache.length == st.num_tokens + suffix.shape[0]
+    assert set(out.timings) <= {"copy_s", "assemble_s", "first_token_s"} and out.components_s > 0
+    assert out.info["state_top_p"] == 0.95 and out.info["top_p"] == 0.9
+    # an empty suffix gives the logits of the last context token
+    empty = mapflow.relay_prefill(receiver, st, art, torch.zeros(0, dtype=torch.long))
+    assert empty.cache.length == st.num_tokens and torch.isfinite(empty.logits).all()
+
+
+def test_relay_prefill_refuses_mismatches(artifact, pair):
+    art, _ = artifact
+    sender, receiver = pair
+    st = _state(sender, SAMPLE_TEXT)
+    other = tiny_model("qwen2", layers=4, seed=7)
+    with pytest.raises(BindingError):  # artifact's receiver is a different model
+        mapflow.relay_prefill(other, st, art, torch.zeros(0, dtype=torch.long))
+    with pytest.raises(BindingError, match="made by"):  # state from a model that is not the artifact's sender
+        mapflow.relay_prefill(receiver, _state(receiver, SAMPLE_TEXT), art, torch.zeros(0, dtype=torch.long))
+    bare = ContextState(text=st.text, tokens=st.tokens, offsets=st.offsets, binding=st.binding)
+    with pytest.raises(MapsError, match="no attention maps"):
+        mapflow.relay_prefill(receiver, bare, art, torch.zeros(0, dtype=torch.long))
+    with pytest.raises(Refused, match="tokenizer"):  # gemma's tiny tokenizer differs from qwen2's
+        mapflow.calibrate(sender, tiny_model("gemma3", layers=4), [], [], OPTS, "", None)
+
+
+def test_state_with_maps_round_trips_through_bytes(pair):
+    sender, _ = pair
+    st = _state(sender, SAMPLE_TEXT)
+    back = ContextState.from_bytes(st.to_bytes())
+    assert back.maps_meta == st.maps_meta and set(back.maps) == set(st.maps)
+    assert all(torch.equal(back.maps[k], st.maps[k]) for k in st.maps)
+
+
+def test_diagnosis_picks_r_mapping_and_refuses():
+    lr, ls = 4, 6
+    tv = torch.full((lr, ls), 0.8)
+    tv[2:, 3] = 0.2  # receiver layers 2, 3 fit sender layer 3 well
+    cov = torch.ones(lr, ls)
+    w = torch.zeros(lr, ls, 2, 2)
+    d = diagnose.decide(tv, cov, w, tv_max=0.5, mapping="auto")
+    assert d.mapping_name == "best" and d.mapping[2:] == [3, 3] and d.r == 2 and not d.refused
+    assert diagnose.suffix_alignment(ls, lr) == [2, 3, 4, 5]
+    bad = diagnose.decide(torch.full((lr, ls), 0.9), cov, w, tv_max=0.5)
+    assert bad.refused and "no reliable reuse region" in bad.reason
+
+
+def test_unknown_option_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown mapflow calibration option"):
+        CalibOptions.from_dict({"topp": 0.9})
