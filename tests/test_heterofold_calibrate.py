@@ -92,14 +92,16 @@ def test_self_calibration_with_ridge_is_near_exact(cache, tiny_by_family):
 def test_calibrate_cross_family_artifact_resume_and_bindings(cache, tiny_by_family, tmp_path):
     sender, receiver = tiny_by_family["llama"], tiny_by_family["gemma3"]
     opts = {"method": "heterofold", "epochs": 2, "heldout_suffix": 40, "query_rows": 16, "val_every": 4,
-            "gammas": "0,1", "epss": "0.01", "store_rank": 8}  # fmt: skip
+            "gammas": "0,1", "epss": "0.01", "store_rank": 8, "e2e_epochs": 1, "e2e_tokens": 24}  # fmt: skip
     out = tmp_path / "a.safetensors"
     art = calibrate(sender, receiver, TEXTS[:8], TEXTS[8:], opts, command="cmd", out=out)
     loaded = Artifact.load(out)
     assert loaded.command == "cmd" and loaded.params["method"] == "heterofold"
     for key in ("top1_agreement", "kl", "ppl", "native_ppl", "no_context_ppl"):
         assert key in loaded.quality
-    assert [h["epoch"] for h in loaded.params["train"]["history"]] == [0, 1, 2]
+    train = loaded.params["train"]
+    assert [h["epoch"] for h in train["history"]] == [0, 1, 2] and len(train["e2e"]) == 1
+    assert set(train["validation"]) == {"init", "layer-local", "end-to-end"} and train["kept"] in train["validation"]
     assert {s["role"] for s in loaded.params["init_search"]} == {"k", "v"}
     assert "k.0.u" in loaded.tensors and loaded.tensors["k.0.u"].dtype == torch.float16  # rank-8 fp16 factors
     # resume: the finished checkpoint is picked up, nothing is retrained, same result

@@ -28,9 +28,10 @@ from ctxrelay import tensorfile
 from ctxrelay.artifact import Artifact, model_binding
 from ctxrelay.heterofold import data, quality
 from ctxrelay.heterofold.align import layer_sources
+from ctxrelay.heterofold.e2e import train_e2e
 from ctxrelay.heterofold.maps import ROLES, AffineMap, FoldMaps, layer_features
 from ctxrelay.heterofold.recolor import Moments, fit_recolor, fit_ridge
-from ctxrelay.heterofold.train import train_corrections
+from ctxrelay.heterofold.train import Corrections, feature_scales, train_corrections
 from ctxrelay.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, pair_params
 from ctxrelay.models.spec import LoadedModel
 
@@ -52,6 +53,9 @@ class CalibConfig:
     kl_weight: float = 1.0  # key loss = kl_weight * KL(native attn || mapped) + o_proj output error
     query_rows: int = 128  # sampled receiver query rows per calibration text
     heldout_suffix: int = 129  # continuation tokens per held-out text (ppl@128 needs 129)
+    e2e_epochs: int = 2  # end-to-end refinement passes (0 = the paper's layer-local objectives only)
+    e2e_tokens: int = 128  # receiver tokens run natively per text in the end-to-end stage
+    e2e_lr: float = 5e-4
     store_rank: int = 0  # > 0: store each folded map as rank-`store_rank` factors (small artifacts)
     val_every: int = 8  # every n-th training text is validation (not fitted on)
     seed: int = 0
@@ -220,22 +224,29 @@ def calibrate(
     maps = FoldMaps(sources, closed_form(mom, best_fit))
     params = {"method": cfg.method, "pairing": cfg.pairing, "init": best_fit, "init_search": search}
 
-    # 4. output-aware corrections
+    # 4. output-aware corrections: layer-local (the paper's key and value objectives), then an
+    # optional end-to-end stage; validation decides which maps are kept (init included)
     if cfg.method == "heterofold":
-        ckpt = pair_dir / f"train-{digest}-r{cfg.rank}-s{cfg.seed}.safetensors"
-        init_maps = maps
-        maps, history = train_corrections(
-            sender, receiver, maps, pairs, load_pairs(val_texts, "val"), cfg, ckpt, resume
+        tag = f"{digest}-r{cfg.rank}-s{cfg.seed}"
+        scales = feature_scales([s for s, _ in pairs], sources, [r for _, r in pairs])
+        val_pairs = load_pairs(val_texts, "val")
+        cands = {"init": maps}
+        cands["layer-local"], history = train_corrections(
+            sender, receiver, maps, pairs, val_pairs, cfg, pair_dir / f"train-{tag}.safetensors", resume, scales
         )
-        # the layer-local losses are a proxy: keep the corrections only if they help end to end (validation)
-        init_val, corr_val = scored_maps(init_maps), scored_maps(maps)
-        history.update(val_init=_brief(init_val), val_corrected=_brief(corr_val))
-        if _score(corr_val) > _score(init_val):
-            maps, history["kept"] = init_maps, "init (corrections did not improve validation)"
-        else:
-            history["kept"] = "corrected"
+        if cfg.e2e_epochs:
+            tails = [data.receiver_tail(receiver, t, states, cfg.e2e_tokens) for t in tqdm(fit_texts, desc="targets")]
+            corr = Corrections(cands["layer-local"], cfg.rank, scales, cfg.seed + 1)
+            ckpt = pair_dir / f"e2e-{tag}-n{cfg.e2e_tokens}-lr{cfg.e2e_lr}.safetensors"
+            history["e2e"] = train_e2e(sender, receiver, corr, pairs, tails, cfg, ckpt, resume)
+            cands["end-to-end"] = corr.fold()
+        scores = {name: scored_maps(m) for name, m in cands.items()}
+        history["validation"] = {name: _brief(r) for name, r in scores.items()}
+        history["kept"] = min(scores, key=lambda name: _score(scores[name]))
+        maps = cands[history["kept"]]
         params["train"] = history
         params.update(rank=cfg.rank, epochs=cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        params.update(e2e_epochs=cfg.e2e_epochs, e2e_tokens=cfg.e2e_tokens, e2e_lr=cfg.e2e_lr)
 
     # 5. fold / store, 6. report on exactly what is stored
     if cfg.store_rank:

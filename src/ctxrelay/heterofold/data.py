@@ -124,3 +124,23 @@ def pair_alignment(sender: LoadedModel, receiver: LoadedModel, s: SenderText, r:
         special_ids_of(sender.tokenizer),
         pairing,
     )
+
+
+@dataclass
+class NativeTail:
+    logp: torch.Tensor  # [n, k] native log-probs of the top-k next tokens at the text's last n positions
+    index: torch.Tensor  # [n, k] their token ids
+
+
+def receiver_tail(m: LoadedModel, text: str, root: Path, n: int = 128, k: int = 64) -> NativeTail:
+    """The receiver's native next-token distributions over the last `n` positions, kept as top-k
+    (the end-to-end objective's target; a full [n, V] tensor per text would be ~80 MB for Qwen)."""
+
+    def make():
+        ids, _ = tokenize_with_offsets(m, text)
+        logits = runner.forward(m, ids, logits="all").logits[-n:]
+        top = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
+        return {"logp": top.values, "index": top.indices}
+
+    t = _cached(root / model_key(m) / f"tail{n}x{k}-{text_key(text)}.safetensors", make)
+    return NativeTail(t["logp"], t["index"])

@@ -129,11 +129,12 @@ def translate(
     rows = src.clamp(min=0)
     out = {}
     for role, send in (("k", send_keys), ("v", send_values)):
-        # one gather of the used sender rows for all layers; each receiver layer then reads views
-        gathered = send[:, rows].reshape(send.shape[0], t_r, -1).to(dtype)
+        flat = send.reshape(send.shape[0], send.shape[1], -1).to(dtype)  # [L_S, T_S, Hkv*d], a view when fp32
+        # map the sender's rows once, then pick the aligned rows (dy <= dx: cheaper than gathering x)
         result = torch.empty(maps.num_layers, t_r, kv_heads * head_dim, dtype=dtype)
         for j, layers in enumerate(maps.sources):
-            result[j] = maps.maps[role][j].blocks([gathered[layer] for layer in layers])
+            y = maps.maps[role][j].blocks([flat[layer] for layer in layers])
+            torch.index_select(y, 0, rows, out=result[j])
         result[:, src < 0] = 0.0
         out[role] = result.view(maps.num_layers, t_r, kv_heads, head_dim)
     return out["k"], out["v"]

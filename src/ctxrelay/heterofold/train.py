@@ -168,12 +168,13 @@ def train_corrections(
     cfg,
     ckpt: Path,
     resume: bool = True,
+    scales: dict | None = None,
 ) -> tuple[FoldMaps, dict]:
     aligns = [data.pair_alignment(sender, receiver, s, r, cfg.pairing).src for s, r in train_pairs]
     val_aligns = [data.pair_alignment(sender, receiver, s, r, cfg.pairing).src for s, r in val_pairs]
     lengths = {r.ids.shape[0] for _, r in train_pairs + val_pairs}
     ropes = {t: _rope(receiver, t) for t in lengths}
-    scales = feature_scales([s for s, _ in train_pairs], base.sources, [r for _, r in train_pairs])
+    scales = scales or feature_scales([s for s, _ in train_pairs], base.sources, [r for _, r in train_pairs])
     corr = Corrections(base, cfg.rank, scales, cfg.seed)
     opt = torch.optim.AdamW(corr.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     history: list[dict] = []
