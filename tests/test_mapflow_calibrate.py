@@ -140,3 +140,20 @@ def test_diagnosis_picks_r_mapping_and_refuses():
 def test_unknown_option_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown mapflow calibration option"):
         CalibOptions.from_dict({"topp": 0.9})
+
+
+def test_bench_variants_all_run_through_relay_prefill(artifact, pair):
+    from ctxrelay.eval import mapflow_bench
+
+    art, _ = artifact
+    sender, receiver = pair
+    opts = mapflow_bench._options({"p_list": "0.8,0.9", "r_list": "2"})
+    vs = mapflow_bench.variants(art, receiver, opts)
+    kinds = {(t, m) for t, m, _ in vs}
+    assert ("iam", "replace-50%") in kinds and ("flexprefill", "receiver-top-p") in kinds
+    assert any(t == "mapflow" for t, _ in kinds)
+    st = _state(sender, SAMPLE_TEXT)
+    suffix = tokenize_with_offsets(receiver, " Answer:")[0]
+    for _, _, cfg in vs:
+        out = mapflow.relay_prefill(receiver, st, mapflow_bench.as_artifact(art, cfg), suffix)
+        assert torch.isfinite(out.logits).all() and out.cache.length == st.num_tokens + suffix.shape[0]

@@ -93,13 +93,26 @@ class Item:
 # ---- data ------------------------------------------------------------------------------------------
 
 
-def split_texts(m: LoadedModel, texts: list[str], opts: CalibOptions, limit: int) -> list[tuple]:
-    """(context ids, suffix ids) for texts long enough; the context starts with the tokenizer's specials."""
+def split_texts(m: LoadedModel, texts: list, opts: CalibOptions, limit: int) -> list[tuple]:
+    """(context ids, suffix ids) per text.
+
+    A plain string is cut at ctx_tokens (its next suffix_tokens tokens are the appended span); a
+    (context, suffix) pair keeps its own split (needle QA: the suffix is question + answer), with
+    the context cut to at most ctx_tokens tokens. Texts too short are skipped.
+    """
     out = []
     for text in texts:
-        ids = m.tokenizer(text, add_special_tokens=True, return_tensors="pt")["input_ids"][0]
-        if ids.shape[0] >= opts.ctx_tokens + opts.suffix_tokens:
-            out.append((ids[: opts.ctx_tokens], ids[opts.ctx_tokens : opts.ctx_tokens + opts.suffix_tokens]))
+        if isinstance(text, str):
+            ids = m.tokenizer(text, add_special_tokens=True, return_tensors="pt")["input_ids"][0]
+            if ids.shape[0] >= opts.ctx_tokens + opts.suffix_tokens:
+                end = opts.ctx_tokens + opts.suffix_tokens
+                out.append((ids[: opts.ctx_tokens].clone(), ids[opts.ctx_tokens : end].clone()))
+        else:
+            context, suffix = text
+            ctx = m.tokenizer(context, add_special_tokens=True, return_tensors="pt")["input_ids"][0]
+            suf = m.tokenizer(suffix, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+            if ctx.shape[0] >= 2 * opts.block and suf.shape[0] >= 2:
+                out.append((ctx[: opts.ctx_tokens].clone(), suf[: opts.suffix_tokens].clone()))
         if len(out) == limit:
             break
     if len(out) < min(limit, 2):
@@ -287,7 +300,13 @@ def calibrate(
         version=VERSION,
         sender=model_binding(sender),
         receiver=model_binding(receiver),
-        tensors={**final.w_tensors(), "diagnosis.tv": d.tv.float(), "diagnosis.coverage": d.coverage.float()},
+        tensors={
+            **final.w_tensors(),
+            **{f"w_fit.{j}": w.float().clone() for j, w in w_guided.items()},
+            **{f"w_trained.{j}": w.float().clone() for j, w in w_trained.items()},
+            "diagnosis.tv": d.tv.float(),
+            "diagnosis.coverage": d.coverage.float(),
+        },
         params=params,
         quality=quality,
         command=command,

@@ -82,7 +82,7 @@ class ReuseConfig:
         }
 
     def w_tensors(self) -> dict[str, torch.Tensor]:
-        return {f"w.{j}": w.float().contiguous() for j, w in self.w.items()}
+        return {f"w.{j}": w.float().clone() for j, w in self.w.items()}
 
     @staticmethod
     def from_params(params: dict, tensors: dict[str, torch.Tensor]) -> ReuseConfig:

@@ -1,0 +1,125 @@
+"""mapflow glue: calibration data and the benchmark (`ctxrelay calibrate|bench ... mapflow`).
+
+Calibration texts: training essays (continuations), training-split ShareGPT conversations, and
+essay needle QA (context with a fact, then question + answer as the appended span); held-out:
+the same kinds from the held-out splits. The transport (ctxrelay.mapflow) never loads data.
+The benchmark lives in mapflow_bench.py.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+from ctxrelay.eval import EvalError
+from ctxrelay.eval.datasets import conversation_text, essay_haystack, essays, sharegpt_conversations
+from ctxrelay.eval.needle import make_needle_case
+
+DEFAULT_SENDER, DEFAULT_RECEIVER = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+PACKAGED_DIR = Path(__file__).resolve().parent.parent / "artifacts"
+
+# data options (`--set key=value`); the rest goes to ctxrelay.mapflow.calibration.CalibOptions
+DATA_DEFAULTS = {
+    "essay_texts": 8,
+    "conversations": 4,
+    "needle_texts": 4,
+    "heldout_essays": 4,
+    "heldout_convs": 2,
+    "heldout_needles": 2,
+}
+
+
+def artifact_name(sender: str, receiver: str) -> str:
+    return f"mapflow-{Path(sender).name}-to-{Path(receiver).name}.safetensors"
+
+
+def default_artifact_path(sender: str, receiver: str) -> Path:
+    """Where the relay layer looks for calibrated edges: the user's <cache>/artifacts."""
+    from ctxrelay import zoo
+
+    return zoo.cache_dir() / "artifacts" / artifact_name(sender, receiver)
+
+
+def _essay_texts(split: str, n: int, chars: int) -> list[str]:
+    """Up to `n` essays of `split` long enough (as whole texts: calibration cuts them at token counts)."""
+    return [e.text for e in essays(split) if len(e.text) >= chars][:n]
+
+
+def _conversations(split: str, n: int, chars: int) -> list[str]:
+    return [conversation_text(c) for c in sharegpt_conversations(limit=n, split=split, min_chars=chars)]
+
+
+def _needles(tokenizer, split: str, n: int, ctx_tokens: int, seed: int) -> list[tuple[str, str]]:
+    """(context with a fact, question + answer) pairs: the answer tokens are what the loss scores."""
+    out = []
+    for i in range(n):
+        haystack = essay_haystack(tokenizer, ctx_tokens - 24, split=split, seed=seed + 11 * i)
+        case = make_needle_case(haystack, depth=(0.2, 0.5, 0.8)[i % 3], seed=seed + i)
+        out.append((case.context, f"{case.question} {case.answer}"))
+    return out
+
+
+def calibration_texts(tokenizer, opts: dict, ctx_tokens: int, suffix_tokens: int, seed: int = 0):
+    chars = 5 * (ctx_tokens + suffix_tokens)  # essays and chats run at ~4 characters per token
+    train = _essay_texts("train", int(opts["essay_texts"]), chars)
+    train += _conversations("train", int(opts["conversations"]), chars)
+    train += _needles(tokenizer, "train", int(opts["needle_texts"]), ctx_tokens, seed)
+    held = _essay_texts("heldout", int(opts["heldout_essays"]), chars)
+    held += _conversations("heldout", int(opts["heldout_convs"]), chars)
+    held += _needles(tokenizer, "heldout", int(opts["heldout_needles"]), ctx_tokens, seed + 1000)
+    return _interleave(train), held
+
+
+def _interleave(texts: list) -> list:
+    """Mix kinds so any prefix (selection texts, diagnosis texts) holds essays, chats and QA."""
+    essays_, rest = [t for t in texts if isinstance(t, str)], [t for t in texts if not isinstance(t, str)]
+    out = []
+    while essays_ or rest:
+        for pool in (essays_, essays_, rest):
+            if pool:
+                out.append(pool.pop(0))
+    return out
+
+
+def _split_options(options: dict | None) -> tuple[dict, dict]:
+    data, rest = dict(DATA_DEFAULTS), {}
+    for k, v in (options or {}).items():
+        (data if k in DATA_DEFAULTS else rest)[k] = v
+    return data, rest
+
+
+def calibrate(sender: str, receiver: str, out=None, resume: bool = True, options=None, command: str = "") -> Path:
+    """`ctxrelay calibrate --transport mapflow --sender S --receiver R [--out PATH] [--set k=v ...]`."""
+    from ctxrelay import mapflow, zoo
+    from ctxrelay.mapflow.calibration import CalibOptions, Refused
+
+    sender = sender or DEFAULT_SENDER
+    receiver = receiver or DEFAULT_RECEIVER
+    data_opts, cal_opts = _split_options(options)
+    cal_opts.setdefault("cache_dir", str(zoo.cache_dir()))
+    try:
+        copts = CalibOptions.from_dict(cal_opts)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+    path = Path(out) if out else default_artifact_path(sender, receiver)
+    r = zoo.load(receiver)
+    train, held = calibration_texts(r.tokenizer, data_opts, copts.ctx_tokens, copts.suffix_tokens, copts.seed)
+    s = zoo.load(sender)
+    try:
+        art = mapflow.calibrate(s, r, train, held, cal_opts, command, path, resume)
+    except (ValueError, Refused) as e:
+        raise EvalError(str(e)) from None
+    art.params["data"] = data_opts
+    art.save(path)
+    del s, r
+    gc.collect()
+    return path
+
+
+def bench(
+    model="", sender="", receiver="", lengths=(1024, 2048, 4096), repeats=3, out="mapflow", options=None, command=""
+) -> Path:
+    """`ctxrelay bench mapflow --sender S --receiver R --lengths ...` (see mapflow_bench.py)."""
+    from ctxrelay.eval import mapflow_bench
+
+    return mapflow_bench.bench(model, sender, receiver, lengths, repeats, out, options, command)
