@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import SAMPLE_TEXT
-from ctxrelay.mapflow import make_map_capture, reuse
+from ctxrelay.mapflow import guided, make_map_capture, reuse
 from ctxrelay.mapflow.mixing import identity_w
 from ctxrelay.mapflow.sparse import maps_from_tensors, reselect
 from ctxrelay.models import runner
@@ -71,14 +71,21 @@ def test_compression_keeps_fewest_blocks_reaching_p(tiny):
             assert (c[1:] > c[:-1]).all()
 
 
-def test_reselect_equals_direct_capture(tiny):
+@pytest.mark.parametrize("captured_p", [1.0, 0.95])
+def test_reselect_equals_direct_capture(tiny, captured_p):
     ids = _ids(tiny)
-    full, _ = _own_maps(tiny, ids, top_p=1.0)
+    high, _ = _own_maps(tiny, ids, top_p=captured_p)
     direct, _ = _own_maps(tiny, ids, top_p=0.8)
-    for layer in full:
-        a, b = reselect(full[layer], 0.8), direct[layer]
+    w = torch.rand(tiny.spec.num_heads, tiny.spec.num_heads)
+    w = w / w.sum(0)
+    for layer in high:
+        a, b = reselect(high[layer], 0.8), direct[layer]
         assert torch.equal(a.col, b.col) and torch.equal(a.crow, b.crow)
         assert torch.allclose(a.row_mass, b.row_mass, atol=1e-6)
+        # guided mode re-selects from masses alone: same pattern as from the re-selected map
+        pa = guided.guided_pattern(high[layer], w, 0.9, tiny.spec.num_kv_heads, "head", top_p=0.8)
+        pb = guided.guided_pattern(b, w, 0.9, tiny.spec.num_kv_heads, "head")
+        assert torch.equal(pa.kb, pb.kb) and torch.equal(pa.crow, pb.crow)
 
 
 @pytest.mark.parametrize("mode", ["replace", "guided"])

@@ -4,7 +4,7 @@ The contract the relay layer calls:
   make_map_capture(sender, top_p, block)  -> .on_probs for runner.Capture, .result() -> (maps, maps_meta)
   relay_prefill(receiver, state, artifact, suffix_ids) -> RelayOutput
   calibrate(sender, receiver, texts_train, texts_heldout, options, command, out, resume) -> Artifact
-  predict_cost(artifact, n_tokens) -> component times (a rough model; the relay fits its own)
+(predict_cost is not provided: the relay fits its cost model from measured timings.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ __all__ = [
     "MapsError",
     "calibrate",
     "make_map_capture",
-    "predict_cost",
     "relay_prefill",
 ]
 
@@ -49,12 +48,6 @@ def relay_prefill(receiver: LoadedModel, state, artifact, suffix_ids: torch.Tens
     from ctxrelay.mapflow import reuse
 
     return reuse.relay_prefill(receiver, state, artifact, suffix_ids, TRANSPORT, ARTIFACT_VERSION)
-
-
-def predict_cost(artifact, n_tokens: int) -> dict:
-    from ctxrelay.mapflow import calibration
-
-    return calibration.predict_cost(artifact, n_tokens)
 
 
 def calibrate(sender, receiver, texts_train, texts_heldout, options=None, command="", out=None, resume=True, log=print):

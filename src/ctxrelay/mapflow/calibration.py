@@ -319,12 +319,3 @@ def calibrate(
 def _opts_key(opts: CalibOptions, d: diagnose.Diagnosis) -> str:
     parts = [opts.top_p, opts.block, opts.ctx_tokens, opts.suffix_tokens, opts.train_texts, opts.lr, d.r, d.mapping]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
-
-
-def predict_cost(artifact: Artifact, n_tokens: int) -> dict:
-    """Rough component model from the artifact's recorded per-mode cost ratios (the relay fits its own)."""
-    costs = artifact.quality.get("cost_model")
-    if not costs:
-        return {}
-    t = costs["native_s_per_token2"] * n_tokens**2 + costs["native_s_per_token"] * n_tokens
-    return {"assemble_s": t * costs["relay_ratio"], "copy_s": costs.get("copy_s_per_token", 0.0) * n_tokens}

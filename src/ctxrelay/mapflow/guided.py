@@ -68,23 +68,28 @@ def full_pattern(tokens: int, num_heads: int, block: int) -> BlockPattern:
     return pattern_from_mask(torch.ones(num_heads, nb, nb, dtype=torch.bool), 1, block)
 
 
-def sender_block_mass(bm: BlockMaps) -> torch.Tensor:
-    """Dense [Hs, nqb, nkb] mean row mass of the kept tiles (zero where a tile was dropped)."""
+def sender_block_mass(bm: BlockMaps, top_p: float = 1.0) -> torch.Tensor:
+    """Dense [Hs, nqb, nkb] mean row mass of the kept tiles (zero where a tile was dropped).
+
+    top_p < 1 applies the compression rule again on the kept masses: the pattern of the map as if
+    captured at that p, without touching its tiles (guided mode never reads tile values).
+    """
     qb, kb, hd = bm.coords()
     nb = bm.num_row_blocks
     mass = torch.zeros(bm.heads, nb, nb)
     mass[hd, qb, kb] = bm.mass.float()
-    return mass
+    return mass if top_p >= 1.0 else mass * _select(mass, top_p, total=1.0)
 
 
 def guided_pattern(
-    bm: BlockMaps, w: torch.Tensor, guided_p: float, kv_heads: int, unit: Unit = "group"
+    bm: BlockMaps, w: torch.Tensor, guided_p: float, kv_heads: int, unit: Unit = "group", top_p: float = 1.0
 ) -> BlockPattern:
     """Key blocks per receiver head (or kv group) from the W-mixed sender block masses, top-p per row.
 
-    guided_p = 1 keeps the union of the kept tiles of every sender head W mixes in.
+    guided_p = 1 keeps the union of the kept tiles of every sender head W mixes in; `top_p` first
+    re-selects the sender map itself (as `sparse.reselect` would).
     """
-    mixed = torch.einsum("kh,kqn->hqn", w.float(), sender_block_mass(bm))  # [Hr, nqb, nkb]
+    mixed = torch.einsum("kh,kqn->hqn", w.float(), sender_block_mass(bm, top_p))  # [Hr, nqb, nkb]
     hr = mixed.shape[0]
     if unit == "group":
         per = hr // kv_heads
@@ -162,18 +167,18 @@ def _rows_attention(c: AttnCall, qb_, kb_, vb_, pat: BlockPattern, starts, rows,
         q, g = qb_.view(hkv, per, nb, b, d)[unit, :, qi].reshape(n, per * b, d), unit
     k = kb_[g[:, None], kbs].reshape(n, cnt * b, d)
     v = vb_[g[:, None], kbs].reshape(n, cnt * b, d)
-    s = torch.bmm(q, k.transpose(1, 2)) * c.scale  # [R, per*B, c*B]
+    s = torch.bmm(q, k.transpose(1, 2)).mul_(c.scale)  # [R, per*B, c*B]
     if c.softcap is not None:
         s = torch.tanh(s / c.softcap) * c.softcap
     s = s.view(n, per, b, cnt * b)
-    if c.window is None:  # only the diagonal tile needs the causal mask
-        s = torch.cat([s[..., : (cnt - 1) * b], s[..., (cnt - 1) * b :] + causal], dim=-1)
+    if c.window is None:  # only the diagonal tile (last) needs the causal mask
+        s[..., (cnt - 1) * b :] += causal
     else:  # token-level visibility (sliding window) over every kept tile
         qpos = qi[:, None] * b + torch.arange(b)[None, :]  # [R, B]
         kpos = (kbs[:, :, None] * b + torch.arange(b)).view(n, 1, -1)  # [R, 1, c*B]
         vis = (kpos <= qpos[:, :, None]) & (kpos > qpos[:, :, None] - c.window)
         s = s.masked_fill(~vis[:, None], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # padded query rows may see no key
+    p = torch.softmax(s, dim=-1)  # every query sees at least itself: the diagonal block is always kept
     return torch.bmm(p.view(n, per * b, cnt * b), v).view(n, per, b, d)
 
 

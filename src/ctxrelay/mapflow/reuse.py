@@ -102,6 +102,7 @@ class ReuseConfig:
 def select_maps(maps: dict[int, BlockMaps], cfg: ReuseConfig, meta_top_p: float) -> dict[int, BlockMaps]:
     """The sender layers the config reads, re-selected to its top-p (exact when the state's p is higher)."""
     out = {}
+    replaced = {cfg.mapping[j] for j, m in enumerate(cfg.modes) if m == "replace"}
     for layer in cfg.sender_layers():
         if layer not in maps:
             raise MapsError(
@@ -109,7 +110,8 @@ def select_maps(maps: dict[int, BlockMaps], cfg: ReuseConfig, meta_top_p: float)
                 f"(make_map_capture) or a layer list that includes {cfg.sender_layers()}"
             )
         bm = maps[layer]
-        out[layer] = reselect(bm, cfg.top_p) if cfg.top_p < meta_top_p else bm
+        # guided-only layers re-select their pattern from tile masses (guided_pattern), never copying tiles
+        out[layer] = reselect(bm, cfg.top_p) if cfg.top_p < meta_top_p and layer in replaced else bm
     return out
 
 
@@ -186,7 +188,7 @@ def _plan(i, mode, maps, cfg, w_all, differentiable, prepared, t, kv_heads):
     if mode == "replace":
         plan = apply.prepare_padded(bm) if differentiable else apply.prepare_replace(bm)
     else:
-        plan = guided.guided_pattern(bm, w_all[i].detach(), cfg.guided_p, kv_heads, cfg.unit)
+        plan = guided.guided_pattern(bm, w_all[i].detach(), cfg.guided_p, kv_heads, cfg.unit, cfg.top_p)
     if prepared is not None and mode == "replace":
         prepared[key] = plan
     return plan

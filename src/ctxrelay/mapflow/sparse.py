@@ -86,14 +86,18 @@ class BlockMaps:
         return dense
 
 
-def _select(mass: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Boolean keep-mask [..., nkb]: the fewest blocks whose mass reaches top_p of the row's mass."""
+def _select(mass: torch.Tensor, top_p: float, total: float | None = None) -> torch.Tensor:
+    """Boolean keep-mask [..., nkb]: the fewest blocks whose mass reaches top_p of the row's mass.
+
+    `total` fixes the row mass (1.0 for a softmax row) so re-selecting an already compressed map,
+    whose kept mass is below 1, gives exactly what compressing the full map at that p gives.
+    """
     if top_p >= 1.0:
         return mass > 0
     order = mass.argsort(dim=-1, descending=True)
     sorted_mass = mass.gather(-1, order)
     before = sorted_mass.cumsum(-1) - sorted_mass
-    total = mass.sum(-1, keepdim=True)
+    total = mass.sum(-1, keepdim=True) if total is None else total
     keep_sorted = (before < top_p * total) & (sorted_mass > 0)
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
@@ -256,7 +260,7 @@ def reselect(bm: BlockMaps, top_p: float) -> BlockMaps:
     nb, h = bm.num_row_blocks, bm.heads
     dense_mass = torch.zeros(nb, h, nb)
     dense_mass[qb, hd, kb] = bm.mass
-    keep = _select(dense_mass, top_p)[qb, hd, kb]
+    keep = _select(dense_mass, top_p, total=1.0)[qb, hd, kb]  # rows of the full map sum to 1
     idx = keep.nonzero(as_tuple=True)[0]
     counts = torch.bincount(qb[idx], minlength=nb)
     crow = torch.zeros(nb + 1, dtype=torch.int32)
