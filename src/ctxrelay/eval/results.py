@@ -197,6 +197,21 @@ def wait_until_quiet(threshold: float = 0.25, max_wait_s: float = 0.0, poll_s: f
     return busy
 
 
+def timed_run(fn: Callable[[], object], threads: int | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU share) of one call; share = process CPU time / (wall x threads).
+
+    A share well below 1 means other work took our cores during the call (the wall time then
+    measures that contention, not our code). Single-threaded Python overhead also lowers it.
+    """
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return wall, cpu / (wall * threads) if wall > 0 else 1.0
+
+
 def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> tuple[float, list[float]]:
     """Run `fn` `warmup` times untimed, then `repeats` times timed; (median seconds, all times)."""
     if repeats < 1:
