@@ -157,3 +157,14 @@ def test_bench_variants_all_run_through_relay_prefill(artifact, pair):
     for _, _, cfg in vs:
         out = mapflow.relay_prefill(receiver, st, mapflow_bench.as_artifact(art, cfg), suffix)
         assert torch.isfinite(out.logits).all() and out.cache.length == st.num_tokens + suffix.shape[0]
+
+
+def test_operator_times_cover_every_operator(artifact, pair):
+    from ctxrelay.eval import mapflow_bench
+
+    art, _ = artifact
+    sender, receiver = pair
+    ops = mapflow_bench.operator_times(_state(sender, SAMPLE_TEXT), art, receiver, [0.9], repeats=1)
+    assert ops["sdpa_ms"] > 0
+    row = ops["p=0.9"]
+    assert row["replace_ms"] > 0 and row["guided_group_ms"] > 0 and 0 < row["guided_head_density"] <= 1

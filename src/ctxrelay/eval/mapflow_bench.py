@@ -235,6 +235,60 @@ def time_ttft(r, state, ref: Reference, arts: list, repeats: int) -> tuple[list[
     return [statistics.median(t) for t in times], times, comps
 
 
+def operator_times(state, art, receiver, ps: list[float], repeats: int = 3) -> dict:
+    """One layer's attention over the context, per operator: native SDPA vs the sparse ones (ms).
+
+    Random q/k/v at the receiver's shapes; the map is the real sender map of the layer the artifact
+    maps to the middle reused receiver layer. Shows what wins on this CPU, apart from the rest of
+    the layer (projections, MLP) that every mode pays alike.
+    """
+    from ctxrelay.mapflow import apply, guided
+    from ctxrelay.mapflow.reuse import ReuseConfig
+    from ctxrelay.mapflow.sparse import maps_from_tensors, reselect
+    from ctxrelay.models.attention import AttnCall, native_attention
+
+    cfg = ReuseConfig.from_params(art.params, art.tensors)
+    s = receiver.spec
+    j = (cfg.r + s.num_layers) // 2
+    layer = cfg.mapping[j] if cfg.mapping[j] >= 0 else int(art.tensors["diagnosis.tv"][j].argmin())
+    bm_full = maps_from_tensors(
+        {k: v for k, v in state.maps.items() if k.startswith(f"{layer}.")}, dict(state.maps_meta, layers=[layer])
+    )[layer]
+    w = art.tensors.get(f"w_fit.{j}", torch.full((bm_full.heads, s.num_heads), 1.0 / bm_full.heads))
+    t = state.num_tokens
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, t, s.head_dim, generator=g) for h in (s.num_heads, s.num_kv_heads, s.num_kv_heads))
+    call = AttnCall(j, q, k, v, 0, s.attn_scale, None, None)
+
+    def ms(fn):
+        fn()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return round(1000 * statistics.median(ts), 2)
+
+    out = {"receiver_layer": j, "sender_layer": layer, "sdpa_ms": ms(lambda: native_attention(call))}
+    for p in ps:
+        bm = reselect(bm_full, p)
+        plan = apply.prepare_replace(bm)
+        row = {
+            "sender_density": round(bm.density(), 4),
+            "replace_prepare_ms": ms(lambda bm=bm: apply.prepare_replace(bm)),
+            "replace_ms": ms(lambda plan=plan: apply.replace_attention(plan, w, v)),
+        }
+        for unit in ("group", "head"):
+            pat = guided.guided_pattern(bm_full, w, cfg.guided_p, s.num_kv_heads, unit, p)
+            row[f"guided_{unit}_density"] = round(pat.density(), 4)
+            row[f"guided_{unit}_pattern_ms"] = ms(
+                lambda unit=unit, p=p: guided.guided_pattern(bm_full, w, cfg.guided_p, s.num_kv_heads, unit, p)
+            )
+            row[f"guided_{unit}_ms"] = ms(lambda pat=pat: guided.guided_attention(call, pat))
+        out[f"p={p}"] = row
+    return out
+
+
 # ---- the benchmark ---------------------------------------------------------------------------------
 
 
@@ -309,7 +363,9 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
                 acc[k]["info"] = q["info"]
         medians, times, comps = time_ttft(r, states[0], refs[0], arts, repeats)
         st0 = states[0]
+        ops = operator_times(st0, art, r, [float(x) for x in str(opts["p_list"]).split(",") if x])
         extra_lengths[str(n)] = {
+            "operators_ms": ops,
             "context_tokens_actual": [s.num_tokens for s in states],
             "sender_capture_s": st0.meta.get("capture_s"),
             "sender_native_s": st0.meta.get("sender_native_s"),
@@ -389,7 +445,7 @@ def _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, 
         "needle_acc": sum(a["exact"]) / len(a["exact"]),
         "native_needle_acc": sum(native_exact) / len(native_exact),
         "contexts": len(a["exact"]),
-        "map_density": info.get("map_density", 0.0),
+        **{k: v for k, v in info.items() if k.endswith("_density")},
     }
 
 

@@ -125,12 +125,14 @@ def context_pass(
     differentiable: bool = False,
     w_override: dict[int, torch.Tensor] | None = None,
     prepared: dict[int, object] | None = None,
+    stats: dict | None = None,
 ) -> tuple[runner.KVCache, torch.Tensor]:
     """Prefill the context `ids` [T] through the reuse path; returns (cache, final hidden [1, T, D]).
 
     Preparing a layer's map (regrouping tiles, building a pattern) is timed as copy_s, the rest as
     assemble_s. `differentiable` uses the autograd-friendly replace operator (training W);
-    `prepared` caches plans across calls (training reuses the same texts every epoch).
+    `prepared` caches plans across calls (training reuses the same texts every epoch); `stats`, when
+    given, receives the computed share of causal tiles per mode (what the sparse operators touched).
     """
     sw = sw or Stopwatch()
     s = m.spec
@@ -150,6 +152,9 @@ def context_pass(
         if mode in ("replace", "guided"):
             with sw("copy_s"):
                 plan = _plan(i, mode, maps, cfg, w_all, differentiable, prepared, t, s.num_kv_heads)
+                if stats is not None:
+                    dens = plan.density() if mode == "guided" else maps[cfg.mapping[i]].density()
+                    stats.setdefault(f"{mode}_density", []).append(dens)
         with sw("assemble_s"):
             x = runner.attn_input(m, i, h)
             v = runner.project_v(m, i, x)
@@ -169,7 +174,10 @@ def context_pass(
                 elif mode == "guided":
                     out = guided.guided_attention(call, plan)
                 else:
-                    out = guided.guided_attention(call, guided.flex_pattern(call, cfg.block, cfg.flex_p, cfg.unit))
+                    pat = guided.flex_pattern(call, cfg.block, cfg.flex_p, cfg.unit)
+                    if stats is not None:
+                        stats.setdefault("flex_density", []).append(pat.density())
+                    out = guided.guided_attention(call, pat)
             cache.keys[i], cache.values[i] = k, v
             h = runner.layer_output(m, i, h, out)
     with sw("assemble_s"):  # deferred key projections: needed by the suffix and by decoding only
@@ -242,7 +250,8 @@ def relay_prefill(receiver: LoadedModel, state, artifact, suffix_ids: torch.Tens
     with sw("copy_s"):
         meta = state.maps_meta
         maps = select_maps(maps_from_tensors(state.maps, meta), cfg, float(meta.get("top_p", 1.0)))
-    cache, h = context_pass(receiver, state.tokens, maps, cfg, sw)
+    stats: dict[str, list[float]] = {}
+    cache, h = context_pass(receiver, state.tokens, maps, cfg, sw, stats=stats)
     suffix_ids = torch.as_tensor(suffix_ids).view(-1)
     with sw("first_token_s"):
         if suffix_ids.numel():
@@ -257,7 +266,7 @@ def relay_prefill(receiver: LoadedModel, state, artifact, suffix_ids: torch.Tens
         "top_p": cfg.top_p,
         "state_top_p": float(meta.get("top_p", 1.0)),
         "guided_p": cfg.guided_p,
-        "map_density": sum(bm.density() for bm in maps.values()) / max(1, len(maps)),
+        **{k: sum(v) / len(v) for k, v in stats.items()},  # mean computed share of causal tiles per mode
         "context_tokens": state.num_tokens,
         "suffix_tokens": int(suffix_ids.numel()),
     }
