@@ -34,6 +34,8 @@ def line_plot(
         ax.plot(list(xs), list(ys), marker="o", label=label)
     if logx:
         ax.set_xscale("log", base=2)
+        ticks = sorted({float(x) for xs, _ in series.values() for x in xs})
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])  # the measured lengths, not powers of 2
     if logy:
         ax.set_yscale("log")
     ax.set_xlabel(xlabel)
