@@ -41,6 +41,14 @@ def test_essay_haystack_exact_token_count(tiny_by_family, family):
     assert datasets.essays("train")[0].text.startswith(train)
 
 
+def test_context_continuation(tiny_by_family):
+    tok = tiny_by_family["qwen2"].tokenizer
+    ctx, cont = datasets.essay_context_continuation(tok, 300, 80, split="heldout", seed=2)
+    assert 297 <= len(tok(ctx)["input_ids"]) <= 300  # never more; exact unless no cut gives it
+    assert abs(len(tok(cont)["input_ids"]) - 80) <= 2
+    assert datasets.essay_haystack(tok, 380, seed=2) == ctx + cont
+
+
 def test_essay_haystack_refuses_more_than_split_holds(tiny_by_family):
     with pytest.raises(EvalError, match="hold only"):
         datasets.essay_haystack(tiny_by_family["llama"].tokenizer, 10**7, split="heldout")

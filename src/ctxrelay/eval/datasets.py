@@ -137,6 +137,23 @@ def essay_haystack(tokenizer, n_tokens: int, split: Split = "heldout", seed: int
     return best
 
 
+def essay_context_continuation(
+    tokenizer, n_context: int, n_continuation: int, split: Split = "heldout", seed: int = 0
+) -> tuple[str, str]:
+    """A shared context of n_context tokens and the essay text that truly follows it.
+
+    The continuation is what the receiver reads teacher-forced after the relayed context; it is
+    about n_continuation tokens (its own tokenisation can differ by one at the seam).
+    """
+    if n_continuation < 1:
+        raise EvalError(f"n_continuation must be >= 1, got {n_continuation}")
+    context = essay_haystack(tokenizer, n_context, split, seed)
+    full = essay_haystack(tokenizer, n_context + n_continuation, split, seed)
+    if not full.startswith(context) or len(full) == len(context):
+        raise EvalError(f"could not find text after a {n_context}-token context in the {split} essays")
+    return context, full[len(context) :]
+
+
 # ---- ShareGPT --------------------------------------------------------------------------------
 
 
