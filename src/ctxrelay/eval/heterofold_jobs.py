@@ -100,25 +100,32 @@ def _split_options(options: dict | None) -> tuple[dict, dict]:
 
 
 def calibrate(sender: str, receiver: str, out=None, resume: bool = True, options=None, command: str = "") -> Path:
-    """`ctxrelay calibrate --transport heterofold --sender S --receiver R [--set method=...]`."""
+    """`ctxrelay calibrate --transport heterofold --sender S --receiver R [--set method=...]`.
+
+    method=all calibrates the three baselines and heterofold in one process (shared data, shared
+    held-out items); baselines go to their default paths, the returned path is heterofold's.
+    """
     from ctxrelay import heterofold, zoo
 
     data_opts, cal_opts = _split_options(options)
     if sender == receiver:
         raise EvalError("heterofold transfers between two different models; sender and receiver are the same")
-    method = cal_opts.get("method", "heterofold")
-    path = Path(out) if out else default_artifact_path(sender, receiver, method)
+    method = cal_opts.pop("method", "heterofold")
+    methods = list(heterofold.METHODS) if method == "all" else [method]
+    if out and len(methods) > 1:
+        raise EvalError("--out names one artifact; with method=all each method goes to its default path")
+    command = command or _command(sender, receiver, options)
     train, held = calibration_texts(data_opts)
-    s = zoo.load(sender)
-    r = zoo.load(receiver)
-    try:
-        art = heterofold.calibrate(
-            s, r, train, held, cal_opts, command or _command(sender, receiver, options), resume=resume
-        )
-    except ValueError as e:
-        raise EvalError(str(e)) from None
-    art.params["data"] = data_opts
-    art.save(path)
+    s, r = zoo.load(sender), zoo.load(receiver)
+    path = None
+    for m in methods:
+        try:
+            art = heterofold.calibrate(s, r, train, held, {**cal_opts, "method": m}, command, resume=resume)
+        except ValueError as e:
+            raise EvalError(str(e)) from None
+        art.params["data"] = data_opts
+        path = Path(out) if out else default_artifact_path(sender, receiver, m)
+        art.save(path)
     del s, r
     gc.collect()
     return path

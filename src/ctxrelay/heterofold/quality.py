@@ -48,8 +48,20 @@ def suffix_ids(receiver: LoadedModel, text: str) -> torch.Tensor:
     return ids[offs[:, 1] > offs[:, 0]]  # no added BOS/EOS inside an appended span
 
 
-@torch.inference_mode()
+_MEMO: dict[tuple, HeldoutItem] = {}  # items of the last model pair (calibrating several methods in a row)
+
+
 def make_item(sender: LoadedModel, receiver: LoadedModel, text: str, suffix_tokens: int = 129) -> HeldoutItem:
+    key = (sender.spec.weights_hash, receiver.spec.weights_hash, suffix_tokens, text)
+    if key not in _MEMO:
+        if any(k[:2] != key[:2] for k in _MEMO):
+            _MEMO.clear()
+        _MEMO[key] = _make_item(sender, receiver, text, suffix_tokens)
+    return _MEMO[key]
+
+
+@torch.inference_mode()
+def _make_item(sender: LoadedModel, receiver: LoadedModel, text: str, suffix_tokens: int) -> HeldoutItem:
     context, rest = split_text(receiver, text, suffix_tokens)
     state, _ = capture_state(sender, context, tenant="calibration")
     suf = suffix_ids(receiver, rest)
