@@ -88,7 +88,7 @@ def test_reselect_equals_direct_capture(tiny, captured_p):
         assert torch.equal(pa.kb, pb.kb) and torch.equal(pa.crow, pb.crow)
 
 
-@pytest.mark.parametrize("mode", ["replace", "guided"])
+@pytest.mark.parametrize("mode", ["replace", "guided", "hybrid"])
 def test_own_maps_identity_w_r0_reproduce_native(tiny, mode):
     ids = _ids(tiny)
     ctx, suffix = ids[:-20], ids[-20:]

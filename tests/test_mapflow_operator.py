@@ -109,6 +109,17 @@ def test_guided_pattern_p1_is_union_of_mixed_heads():
     assert got0 == want0 | {(i, i) for i in range(nb)} | {(i, 0) for i in range(nb)}
 
 
+def test_local_blocks_and_union():
+    keep = torch.zeros(2, 6, 6, dtype=torch.bool)
+    keep[0, 5, 2] = True
+    pat = guided.pattern_from_mask(keep, 1, 16, local=1)
+    mask = pat.to_mask()
+    assert mask[0, 5, 2] and mask[0, 5, 4] and mask[0, 5, 5] and mask[0, 5, 0] and not mask[0, 5, 3]
+    assert mask[1].sum() == 1 + 2 + 4 * 3  # row 0: one block; row 1: two; rows 2..5: sink, previous, diagonal
+    other = guided.pattern_from_mask(torch.ones(2, 6, 6, dtype=torch.bool), 1, 16)
+    assert torch.equal(pat.union(other).to_mask(), other.to_mask())
+
+
 def test_flex_pattern_keeps_blocks_of_last_query_block():
     c = _call(128, 4, 2, 8)
     pat = guided.flex_pattern(c, 16, 0.5, unit="group")

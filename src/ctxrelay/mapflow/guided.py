@@ -46,13 +46,31 @@ class BlockPattern:
     def counts(self) -> torch.Tensor:
         return (self.crow[1:] - self.crow[:-1]).long()
 
+    def to_mask(self) -> torch.Tensor:
+        """[units, nqb, nkb] bool."""
+        nb = self.num_row_blocks
+        keep = torch.zeros(self.units * nb, nb, dtype=torch.bool)
+        keep[torch.repeat_interleave(torch.arange(self.units * nb), self.counts()), self.kb] = True
+        return keep.view(self.units, nb, nb)
 
-def pattern_from_mask(keep: torch.Tensor, heads_per_unit: int, block: int) -> BlockPattern:
-    """keep [units, nqb, nkb] bool -> BlockPattern, adding the causal diagonal and the sink block."""
+    def union(self, other: BlockPattern) -> BlockPattern:
+        if (self.units, self.heads_per_unit, self.num_row_blocks) != (
+            other.units,
+            other.heads_per_unit,
+            other.num_row_blocks,
+        ):
+            raise ValueError("patterns over different units or lengths cannot be merged")
+        return pattern_from_mask(self.to_mask() | other.to_mask(), self.heads_per_unit, self.block)
+
+
+def pattern_from_mask(keep: torch.Tensor, heads_per_unit: int, block: int, local: int = 0) -> BlockPattern:
+    """keep [units, nqb, nkb] bool -> BlockPattern, adding the causal diagonal, the sink block and the
+    `local` blocks before the diagonal (a query early in its block has its recent context there)."""
     units, nqb, nkb = keep.shape
     keep = keep.clone()
     idx = torch.arange(nqb)
-    keep[:, idx, idx] = True
+    for back in range(local + 1):
+        keep[:, idx[back:], idx[: nqb - back]] = True
     keep[:, :, 0] = True
     keep &= torch.ones(nqb, nkb, dtype=torch.bool).tril()  # causal: key block <= query block
     flat = keep.reshape(units * nqb, nkb)
@@ -82,7 +100,13 @@ def sender_block_mass(bm: BlockMaps, top_p: float = 1.0) -> torch.Tensor:
 
 
 def guided_pattern(
-    bm: BlockMaps, w: torch.Tensor, guided_p: float, kv_heads: int, unit: Unit = "group", top_p: float = 1.0
+    bm: BlockMaps,
+    w: torch.Tensor,
+    guided_p: float,
+    kv_heads: int,
+    unit: Unit = "group",
+    top_p: float = 1.0,
+    local: int = 0,
 ) -> BlockPattern:
     """Key blocks per receiver head (or kv group) from the W-mixed sender block masses, top-p per row.
 
@@ -94,11 +118,11 @@ def guided_pattern(
     if unit == "group":
         per = hr // kv_heads
         mixed = mixed.view(kv_heads, per, *mixed.shape[1:]).mean(1)
-        return pattern_from_mask(_select(mixed, guided_p), per, bm.block)
-    return pattern_from_mask(_select(mixed, guided_p), 1, bm.block)
+        return pattern_from_mask(_select(mixed, guided_p), per, bm.block, local)
+    return pattern_from_mask(_select(mixed, guided_p), 1, bm.block, local)
 
 
-def flex_pattern(c: AttnCall, block: int, top_p: float, unit: Unit = "group") -> BlockPattern:
+def flex_pattern(c: AttnCall, block: int, top_p: float, unit: Unit = "group", local: int = 0) -> BlockPattern:
     """FlexPrefill-style: key blocks chosen by the receiver's own last query block, top-p per unit."""
     hr, t = c.q.shape[1], c.q.shape[2]
     nb = -(-t // block)
@@ -111,7 +135,7 @@ def flex_pattern(c: AttnCall, block: int, top_p: float, unit: Unit = "group") ->
     if unit == "group":
         mass = mass.view(hkv, per, nb).mean(1)
     keep = _select(mass, top_p)[:, None, :].expand(-1, nb, -1)
-    return pattern_from_mask(keep, per, block)
+    return pattern_from_mask(keep, per, block, local)
 
 
 def _blocks(x: torch.Tensor, nb: int, block: int) -> torch.Tensor:

@@ -7,6 +7,8 @@ Per receiver layer j, the mode decides how attention over the context is compute
            done (keys only matter to later tokens: the suffix and decoding)
   guided   the receiver's own softmax(QK^T), only in the key blocks the sender's map keeps (guided.py)
   flex     the receiver's own softmax(QK^T) in key blocks chosen by its last query block (baseline)
+  hybrid   guided's blocks united with flex's: the sender's per-row pattern plus the receiver's own
+           choice of globally important blocks
 Tokens appended after the context (question, new turn) then run natively over the whole cache.
 """
 
@@ -23,7 +25,7 @@ from ctxrelay.models.attention import native_attention
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.transport import Stopwatch
 
-MODES = ("native", "replace", "guided", "flex")
+MODES = ("native", "replace", "guided", "flex", "hybrid")
 
 
 @dataclass
@@ -38,6 +40,7 @@ class ReuseConfig:
     unit: str = "group"  # guided/flex pattern per kv group or per head
     flex_p: float = 0.9  # flex layers: top-p of the last query block's block masses
     block: int = 64  # flex layers' block size (replace/guided use the maps' own)
+    local: int = 1  # guided/flex/hybrid also keep this many key blocks before the diagonal one
     defer_keys: bool = True
 
     def __post_init__(self) -> None:
@@ -47,7 +50,7 @@ class ReuseConfig:
         if bad:
             raise ValueError(f"unknown mapflow mode(s) {bad}: use {', '.join(MODES)}")
         for j, mode in enumerate(self.modes):
-            if mode in ("replace", "guided") and (self.mapping[j] < 0 or j not in self.w):
+            if mode in ("replace", "guided", "hybrid") and (self.mapping[j] < 0 or j not in self.w):
                 raise ValueError(f"receiver layer {j} uses {mode} but has no sender layer or no mixing weights")
 
     @property
@@ -59,7 +62,8 @@ class ReuseConfig:
         return len(self.modes)
 
     def sender_layers(self) -> list[int]:
-        return sorted({self.mapping[j] for j, m in enumerate(self.modes) if m in ("replace", "guided")})
+        used = ("replace", "guided", "hybrid")
+        return sorted({self.mapping[j] for j, m in enumerate(self.modes) if m in used})
 
     def counts(self) -> dict[str, int]:
         return {m: self.modes.count(m) for m in MODES if m in self.modes}
@@ -78,6 +82,7 @@ class ReuseConfig:
             "unit": self.unit,
             "flex_p": self.flex_p,
             "block": self.block,
+            "local": self.local,
             "r": self.r,
         }
 
@@ -96,6 +101,7 @@ class ReuseConfig:
             unit=str(params.get("unit", "group")),
             flex_p=float(params.get("flex_p", 0.9)),
             block=int(params.get("block", 64)),
+            local=int(params.get("local", 1)),
         )
 
 
@@ -149,10 +155,10 @@ def context_pass(
     for i in range(s.num_layers):
         mode = cfg.modes[i]
         plan = None
-        if mode in ("replace", "guided"):
+        if mode in ("replace", "guided", "hybrid"):
             with sw("copy_s"):
                 plan = _plan(i, mode, maps, cfg, w_all, differentiable, prepared, t, s.num_kv_heads)
-                if stats is not None:
+                if stats is not None and mode != "hybrid":
                     dens = plan.density() if mode == "guided" else maps[cfg.mapping[i]].density()
                     stats.setdefault(f"{mode}_density", []).append(dens)
         with sw("assemble_s"):
@@ -173,10 +179,11 @@ def context_pass(
                     out = native_attention(call)
                 elif mode == "guided":
                     out = guided.guided_attention(call, plan)
-                else:
-                    pat = guided.flex_pattern(call, cfg.block, cfg.flex_p, cfg.unit)
+                else:  # flex, hybrid: the receiver's own last query block picks (more) blocks
+                    pat = guided.flex_pattern(call, cfg.block, cfg.flex_p, cfg.unit, cfg.local)
+                    pat = pat if mode == "flex" else pat.union(plan)
                     if stats is not None:
-                        stats.setdefault("flex_density", []).append(pat.density())
+                        stats.setdefault(f"{mode}_density", []).append(pat.density())
                     out = guided.guided_attention(call, pat)
             cache.keys[i], cache.values[i] = k, v
             h = runner.layer_output(m, i, h, out)
@@ -196,7 +203,7 @@ def _plan(i, mode, maps, cfg, w_all, differentiable, prepared, t, kv_heads):
     if mode == "replace":
         plan = apply.prepare_padded(bm) if differentiable else apply.prepare_replace(bm)
     else:
-        plan = guided.guided_pattern(bm, w_all[i].detach(), cfg.guided_p, kv_heads, cfg.unit, cfg.top_p)
+        plan = guided.guided_pattern(bm, w_all[i].detach(), cfg.guided_p, kv_heads, cfg.unit, cfg.top_p, cfg.local)
     if prepared is not None and mode == "replace":
         prepared[key] = plan
     return plan
