@@ -123,3 +123,16 @@ def test_bad_options_are_clear_errors(cache, tiny_by_family):
         calibrate(m, m, TEXTS, TEXTS, {"method": "magic"})
     with pytest.raises(ValueError, match="held-out"):
         calibrate(m, m, TEXTS, [], {})
+
+
+def test_output_pca_truncation_is_optimal_for_the_data():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6000, 20, generator=g) * torch.logspace(1, -2, 20) + 5.0  # anisotropic, off-centre
+    m = AffineMap(torch.randn(10, generator=g), weight=torch.randn(20, 10, generator=g))
+    mean, cov = x.mean(0), torch.cov(x.T)
+    err = lambda f: float(((f(x) - m(x)) ** 2).sum(1).mean())
+    plain, pca = m.factored(4), m.factored(4, mean, cov)
+    assert err(pca) < 0.5 * err(plain)
+    # the error left is exactly the output variance outside the kept principal directions
+    out_var = torch.linalg.eigvalsh(m.weight.T @ cov @ m.weight)
+    assert abs(err(pca) - float(out_var[:-4].sum())) < 0.01 * float(out_var.sum())

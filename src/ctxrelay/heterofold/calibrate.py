@@ -264,7 +264,17 @@ def calibrate(
 
     # 5. fold / store, 6. report on exactly what is stored
     if cfg.store_rank:
-        maps = FoldMaps(maps.sources, {r: [m.factored(cfg.store_rank) for m in maps.maps[r]] for r in ROLES})
+        # keep the principal directions of each map's output on the calibration data (maps.factored)
+        stats = {r: [m.stats() for m in mom[r]] for r in ROLES}
+        maps = FoldMaps(
+            maps.sources,
+            {
+                r: [
+                    m.factored(cfg.store_rank, stats[r][j][0].float(), stats[r][j][2].float()) for j, m in enumerate(ms)
+                ]
+                for r, ms in maps.maps.items()
+            },
+        )
         params["store_rank"] = cfg.store_rank
     art = make_artifact(sender, receiver, maps, params, {}, command)
     art = Artifact.load(art.save(pair_dir / f".report-{cfg.method}.safetensors"))  # exactly the stored fp16 maps

@@ -47,14 +47,28 @@ class AffineMap:
     def rank(self) -> int | None:
         return None if self.u is None else self.u.shape[1]
 
-    def factored(self, rank: int | None) -> AffineMap:
-        """Best rank-`rank` version (truncated SVD); None or a rank >= min(dx, dy) keeps it dense."""
+    def factored(
+        self, rank: int | None, mean: torch.Tensor | None = None, cov: torch.Tensor | None = None
+    ) -> AffineMap:
+        """A rank-`rank` version; None or a rank >= min(dx, dy) keeps it dense.
+
+        With the input's mean and covariance, W is projected on the top principal directions of
+        its OUTPUT (x - mean) W (the rank-r map closest in expected squared error) and the bias
+        keeps the mean's full image; without them, the truncated SVD of W.
+        """
         w = self.dense()
         if rank is None or rank >= min(w.shape):
             return AffineMap(self.bias, weight=w)
-        u, s, vh = torch.linalg.svd(w.double(), full_matrices=False)
-        root = s[:rank].sqrt()
-        return AffineMap(self.bias, u=(u[:, :rank] * root).to(w.dtype), vt=(root[:, None] * vh[:rank]).to(w.dtype))
+        if cov is None:
+            u, s, vh = torch.linalg.svd(w.double(), full_matrices=False)
+            root = s[:rank].sqrt()
+            return AffineMap(self.bias, u=(u[:, :rank] * root).to(w.dtype), vt=(root[:, None] * vh[:rank]).to(w.dtype))
+        wd = w.double()
+        _, evecs = torch.linalg.eigh(wd.T @ cov.double() @ wd)
+        top = evecs[:, -rank:]  # [dy, r]
+        u = wd @ top
+        bias = self.bias.double() + (mean.double() @ (wd - u @ top.T) if mean is not None else 0.0)
+        return AffineMap(bias.to(w.dtype), u=u.to(w.dtype), vt=top.T.contiguous().to(w.dtype))
 
     def to(self, dtype: torch.dtype) -> AffineMap:
         c = lambda t: None if t is None else t.to(dtype)
