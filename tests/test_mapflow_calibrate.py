@@ -16,6 +16,7 @@ from ctxrelay.state import Binding, BindingError, ContextState, tokenize_with_of
 OPTS = dict(
     block=16,
     ctx_tokens=96,
+    eval_tokens=112,
     suffix_tokens=16,
     train_texts=3,
     select_texts=2,

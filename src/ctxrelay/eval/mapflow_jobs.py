@@ -1,8 +1,10 @@
 """mapflow glue: calibration data and the benchmark (`ctxrelay calibrate|bench ... mapflow`).
 
 Calibration texts: training essays (continuations), training-split ShareGPT conversations, and
-essay needle QA (context with a fact, then question + answer as the appended span); held-out:
-the same kinds from the held-out splits. The transport (ctxrelay.mapflow) never loads data.
+essay needle QA (context with a fact, then question + answer as the appended span) at the short
+training length; longer essay haystacks and needle QA at the evaluation length for the mode choice;
+held-out: essay haystacks and needle QA from the held-out essays at the evaluation length.
+The transport (ctxrelay.mapflow) never loads data.
 The benchmark lives in mapflow_bench.py.
 """
 
@@ -20,12 +22,13 @@ PACKAGED_DIR = Path(__file__).resolve().parent.parent / "artifacts"
 
 # data options (`--set key=value`); the rest goes to ctxrelay.mapflow.calibration.CalibOptions
 DATA_DEFAULTS = {
-    "essay_texts": 8,
-    "conversations": 4,
-    "needle_texts": 4,
-    "heldout_essays": 4,
-    "heldout_convs": 2,
-    "heldout_needles": 2,
+    "essay_texts": 8,  # training essays (cut at ctx_tokens)
+    "conversations": 4,  # training ShareGPT conversations
+    "needle_texts": 4,  # training needle QA at ctx_tokens
+    "long_texts": 3,  # training essay haystacks at eval_tokens (mode choice)
+    "long_needles": 2,  # training needle QA at eval_tokens (mode choice)
+    "heldout_texts": 4,  # held-out essay haystacks at eval_tokens
+    "heldout_needles": 2,  # held-out needle QA at eval_tokens
 }
 
 
@@ -59,15 +62,18 @@ def _needles(tokenizer, split: str, n: int, ctx_tokens: int, seed: int) -> list[
     return out
 
 
-def calibration_texts(tokenizer, opts: dict, ctx_tokens: int, suffix_tokens: int, seed: int = 0):
+def calibration_texts(tokenizer, opts: dict, ctx_tokens: int, suffix_tokens: int, eval_tokens: int, seed: int = 0):
+    """(train, held-out) texts: strings are cut at a token count, (context, suffix) pairs keep their split."""
     chars = 5 * (ctx_tokens + suffix_tokens)  # essays and chats run at ~4 characters per token
+    long_n = eval_tokens + suffix_tokens + 16
     train = _essay_texts("train", int(opts["essay_texts"]), chars)
     train += _conversations("train", int(opts["conversations"]), chars)
     train += _needles(tokenizer, "train", int(opts["needle_texts"]), ctx_tokens, seed)
-    held = _essay_texts("heldout", int(opts["heldout_essays"]), chars)
-    held += _conversations("heldout", int(opts["heldout_convs"]), chars)
-    held += _needles(tokenizer, "heldout", int(opts["heldout_needles"]), ctx_tokens, seed + 1000)
-    return _interleave(train), held
+    long = [essay_haystack(tokenizer, long_n, "train", seed=seed + 5 * i) for i in range(int(opts["long_texts"]))]
+    long += _needles(tokenizer, "train", int(opts["long_needles"]), eval_tokens, seed + 100)
+    held = [essay_haystack(tokenizer, long_n, "heldout", seed=seed + 3 * i) for i in range(int(opts["heldout_texts"]))]
+    held += _needles(tokenizer, "heldout", int(opts["heldout_needles"]), eval_tokens, seed + 1000)
+    return _interleave(train) + _interleave(long), _interleave(held)
 
 
 def _interleave(texts: list) -> list:
@@ -103,7 +109,10 @@ def calibrate(sender: str, receiver: str, out=None, resume: bool = True, options
         raise EvalError(str(e)) from None
     path = Path(out) if out else default_artifact_path(sender, receiver)
     r = zoo.load(receiver)
-    train, held = calibration_texts(r.tokenizer, data_opts, copts.ctx_tokens, copts.suffix_tokens, copts.seed)
+    eval_tokens = copts.eval_tokens or copts.ctx_tokens
+    train, held = calibration_texts(
+        r.tokenizer, data_opts, copts.ctx_tokens, copts.suffix_tokens, eval_tokens, copts.seed
+    )
     s = zoo.load(sender)
     try:
         art = mapflow.calibrate(s, r, train, held, cal_opts, command, path, resume)

@@ -46,11 +46,12 @@ class CalibOptions:
     capture_p: float = 0.98  # sender maps are cached at this p and re-selected down
     guided_p: float = 0.9
     unit: str = "group"
-    ctx_tokens: int = 512
+    ctx_tokens: int = 512  # training and diagnosis contexts (short: cheap)
     suffix_tokens: int = 64
+    eval_tokens: int = 2048  # mode choice and held-out report run on longer contexts, where reuse pays
     train_texts: int = 16
-    select_texts: int = 6  # train texts the mode choice is scored on (held-out stays untouched)
-    heldout_texts: int = 8
+    select_texts: int = 4  # train texts (at eval_tokens) the mode choice is scored on
+    heldout_texts: int = 6
     diag_texts: int = 6
     diag_rows: int = 64
     tv_max: float = 0.5
@@ -60,7 +61,8 @@ class CalibOptions:
     train_steps: int = 96
     lr: float = 0.05
     min_top1: float = 0.85  # mode choice target (on the selection texts)
-    modes: str = "mixed"  # mixed | replace | guided
+    modes: str = "mixed"  # mixed (per-layer choice) | replace | guided | hybrid (every reused layer)
+    hybrid: bool = True  # the mode choice may upgrade guided layers to hybrid before native
     force: bool = False  # calibrate even when the diagnosis refuses the pair
     seed: int = 0
     cache_dir: str = ""
@@ -72,8 +74,8 @@ class CalibOptions:
         if unknown:
             raise ValueError(f"unknown mapflow calibration option(s) {unknown}; known: {', '.join(sorted(known))}")
         opts = CalibOptions(**options)
-        if opts.modes not in ("mixed", "replace", "guided"):
-            raise ValueError(f"modes={opts.modes!r}: use mixed, replace or guided")
+        if opts.modes not in ("mixed", "replace", "guided", "hybrid"):
+            raise ValueError(f"modes={opts.modes!r}: use mixed, replace, guided or hybrid")
         if not 0 < opts.top_p <= opts.capture_p <= 1:
             raise ValueError(f"need 0 < top_p ({opts.top_p}) <= capture_p ({opts.capture_p}) <= 1")
         return opts
@@ -93,32 +95,31 @@ class Item:
 # ---- data ------------------------------------------------------------------------------------------
 
 
-def split_texts(m: LoadedModel, texts: list, opts: CalibOptions, limit: int) -> list[tuple]:
+def split_texts(m: LoadedModel, texts: list, opts: CalibOptions, limit: int, ctx_tokens: int) -> list[tuple]:
     """(context ids, suffix ids) per text.
 
     A plain string is cut at ctx_tokens (its next suffix_tokens tokens are the appended span); a
-    (context, suffix) pair keeps its own split (needle QA: the suffix is question + answer), with
-    the context cut to at most ctx_tokens tokens. Texts too short are skipped.
+    (context, suffix) pair keeps its own split (needle QA: the suffix is question + answer) when its
+    context has ctx_tokens to ctx_tokens + 64 tokens (cut to ctx_tokens). Texts too short are skipped.
     """
     out = []
     for text in texts:
         if isinstance(text, str):
             ids = m.tokenizer(text, add_special_tokens=True, return_tensors="pt")["input_ids"][0]
-            if ids.shape[0] >= opts.ctx_tokens + opts.suffix_tokens:
-                end = opts.ctx_tokens + opts.suffix_tokens
-                out.append((ids[: opts.ctx_tokens].clone(), ids[opts.ctx_tokens : end].clone()))
+            if ids.shape[0] >= ctx_tokens + opts.suffix_tokens:
+                out.append((ids[:ctx_tokens].clone(), ids[ctx_tokens : ctx_tokens + opts.suffix_tokens].clone()))
         else:
             context, suffix = text
             ctx = m.tokenizer(context, add_special_tokens=True, return_tensors="pt")["input_ids"][0]
             suf = m.tokenizer(suffix, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-            if ctx.shape[0] >= 2 * opts.block and suf.shape[0] >= 2:
-                out.append((ctx[: opts.ctx_tokens].clone(), suf[: opts.suffix_tokens].clone()))
+            if ctx_tokens - 48 <= ctx.shape[0] <= ctx_tokens + 64 and suf.shape[0] >= 2:
+                out.append((ctx[:ctx_tokens].clone(), suf[: opts.suffix_tokens].clone()))
         if len(out) == limit:
             break
     if len(out) < min(limit, 2):
         raise ValueError(
-            f"only {len(out)} calibration text(s) reach {opts.ctx_tokens + opts.suffix_tokens} tokens; "
-            "pass longer texts or lower ctx_tokens/suffix_tokens"
+            f"only {len(out)} calibration text(s) reach {ctx_tokens + opts.suffix_tokens} tokens; "
+            "pass longer texts or lower ctx_tokens/eval_tokens/suffix_tokens"
         )
     return out
 
@@ -129,26 +130,35 @@ def pair_cache_dir(sender: LoadedModel, receiver: LoadedModel, opts: CalibOption
 
 
 def sender_maps(
-    sender: LoadedModel, ctx: torch.Tensor, opts: CalibOptions, rows: torch.Tensor, cache: Path
-) -> tuple[dict[int, BlockMaps], torch.Tensor]:
-    """Compressed maps (at capture_p) and sampled dense rows of every sender layer; cached on disk."""
-    key = hashlib.sha256(ctx.numpy().tobytes() + f"{opts.block}:{opts.capture_p}:{rows.tolist()}".encode())
+    sender: LoadedModel, ctx: torch.Tensor, opts: CalibOptions, rows: torch.Tensor | None, cache: Path
+) -> tuple[dict[int, BlockMaps], torch.Tensor | None]:
+    """Compressed maps (at capture_p) and, given `rows`, sampled dense rows of every sender layer.
+
+    Cached on disk by content: the sender is the expensive model, so later runs never prefill it again.
+    """
+    tag = f"{opts.block}:{opts.capture_p}:{None if rows is None else rows.tolist()}"
+    key = hashlib.sha256(ctx.numpy().tobytes() + tag.encode())
     path = cache / f"maps-{key.hexdigest()[:24]}.safetensors"
     if path.exists():
         try:
             tensors, manifest = tensorfile.read(path)
-            rows_t = tensors.pop("diag_rows")
+            rows_t = tensors.pop("diag_rows", None)
             return maps_from_tensors(tensors, manifest["maps_meta"]), rows_t
         except (tensorfile.TensorFileError, KeyError):
             path.unlink(missing_ok=True)  # damaged cache entry: recompute
     s = sender.spec
     cap = MapCapture(s.num_heads, s.num_layers, top_p=opts.capture_p, block=opts.block, sender=s.name)
-    sampler = diagnose.RowSampler(rows, s.num_layers)
-    capture = runner.Capture(on_probs=diagnose.chain(cap.on_probs, sampler.on_probs), prob_chunk=opts.block)
+    callbacks = [cap.on_probs]
+    sampler = None
+    if rows is not None:
+        sampler = diagnose.RowSampler(rows, s.num_layers)
+        callbacks.append(sampler.on_probs)
+    capture = runner.Capture(on_probs=diagnose.chain(*callbacks), prob_chunk=opts.block)
     runner.forward(sender, ctx, capture=capture, logits="none")
     tensors, meta = cap.result()
-    rows_t = sampler.result()
-    tensorfile.write(path, {**tensors, "diag_rows": rows_t}, {"kind": "mapflow_sender_maps", "maps_meta": meta})
+    rows_t = sampler.result() if sampler is not None else None
+    extra = {} if rows_t is None else {"diag_rows": rows_t}
+    tensorfile.write(path, {**tensors, **extra}, {"kind": "mapflow_sender_maps", "maps_meta": meta})
     return maps_from_tensors(tensors, meta), rows_t
 
 
@@ -196,20 +206,32 @@ def calibrate(
     cache.mkdir(parents=True, exist_ok=True)
     rows = diagnose.sample_rows(opts.ctx_tokens, opts.diag_rows, opts.block)
 
-    train_pairs = split_texts(receiver, texts_train, opts, opts.train_texts)
-    held_pairs = split_texts(receiver, texts_heldout, opts, opts.heldout_texts)
+    train_pairs = split_texts(receiver, texts_train, opts, opts.train_texts, opts.ctx_tokens)
+    eval_len = opts.eval_tokens or opts.ctx_tokens
+    select_pairs = split_texts(receiver, texts_train, opts, opts.select_texts, eval_len)
+    held_pairs = split_texts(receiver, texts_heldout, opts, opts.heldout_texts, eval_len)
     with torch.inference_mode():
-        items, held, diag_s, diag_r, diag_mass = [], [], [], [], []
-        for k, (ctx, suf) in enumerate(tqdm(train_pairs + held_pairs, desc="sender maps + receiver reference")):
-            maps, s_rows = sender_maps(sender, ctx, opts, rows, cache)
-            item = Item(ctx, suf, maps, receiver_reference(receiver, ctx, suf))
-            (items if k < len(train_pairs) else held).append(item)
-            if k < min(opts.diag_texts, len(train_pairs)):
+        items, diag_s, diag_r, diag_mass = [], [], [], []
+        for k, (ctx, suf) in enumerate(tqdm(train_pairs, desc=f"train contexts ({opts.ctx_tokens} tokens)")):
+            diag = k < opts.diag_texts
+            maps, s_rows = sender_maps(sender, ctx, opts, rows if diag else None, cache)
+            items.append(Item(ctx, suf, maps, receiver_reference(receiver, ctx, suf)))
+            if diag:
                 r_rows, r_mass = receiver_diag(receiver, ctx, rows, opts.block)
                 diag_s.append(s_rows)
                 diag_r.append(r_rows)
                 diag_mass.append(r_mass)
-    log(f"data: {len(items)} train, {len(held)} held-out contexts of {opts.ctx_tokens}+{opts.suffix_tokens} tokens")
+        select, held = [], []
+        pairs = select_pairs + held_pairs
+        for k, (ctx, suf) in enumerate(tqdm(pairs, desc=f"selection + held-out contexts ({eval_len} tokens)")):
+            maps, _ = sender_maps(sender, ctx, opts, None, cache)
+            (select if k < len(select_pairs) else held).append(
+                Item(ctx, suf, maps, receiver_reference(receiver, ctx, suf))
+            )
+    log(
+        f"data: {len(items)} train contexts of {opts.ctx_tokens} tokens, {len(select)} selection and {len(held)} "
+        f"held-out of {eval_len} (+{opts.suffix_tokens} appended)"
+    )
 
     # diagnosis
     tv, w_fit = diagnose.fit_grid(diag_s, diag_r)
@@ -237,32 +259,29 @@ def calibrate(
     def config(layer_modes: list[str], w_rep: dict[int, torch.Tensor]) -> ReuseConfig:
         w = {j: (w_rep[j] if m == "replace" else w_guided[j]) for j, m in enumerate(layer_modes) if m != "native"}
         mapping = [d.mapping[j] if m != "native" else -1 for j, m in enumerate(layer_modes)]
-        return ReuseConfig(layer_modes, mapping, w, opts.top_p, opts.guided_p, opts.unit, block=opts.block)
+        return ReuseConfig(layer_modes, mapping, w, opts.top_p, opts.guided_p, opts.unit, opts.guided_p, opts.block)
 
-    all_replace = ["native"] * d.r + ["replace"] * len(reused)
-    all_guided = ["native"] * d.r + ["guided"] * len(reused)
+    def every(mode: str) -> list[str]:
+        return ["native"] * d.r + [mode] * len(reused)
 
     # end-to-end training of W (replace mode in every reused layer, as the paper trains it)
     w_trained, train_log = w_guided, {}
     if opts.modes in ("mixed", "replace") and reused and opts.train_steps > 0:
         ckpt = cache / f"train-{r.weights_hash[:10]}-{_opts_key(opts, d)}.safetensors"
         w_trained, train_log = train.train_w(
-            receiver, items, config(all_replace, w_guided), w_guided, opts.train_steps, opts.lr, ckpt, resume, log
+            receiver, items, config(every("replace"), w_guided), w_guided, opts.train_steps, opts.lr, ckpt, resume, log
         )
 
-    # per-layer modes
-    select = items[: opts.select_texts]
-    if opts.modes == "replace":
-        chosen, choice_log = all_replace, {}
-    elif opts.modes == "guided":
-        chosen, choice_log = all_guided, {}
+    # per-layer modes, scored on longer selection contexts
+    if opts.modes != "mixed":
+        chosen, choice_log = every(opts.modes), {}
     else:
-        order = sorted(reused, key=lambda j: float(d.tv[j, d.mapping[j]]))  # best-fitting layers first
         chosen, choice_log = modes.choose_modes(
             lambda lm: modes.evaluate(receiver, select, config(lm, w_trained)),
-            all_guided,
-            replace_order=order,
-            native_order=sorted(reused, key=lambda j: float(d.coverage[j, d.mapping[j]])),
+            every("guided"),
+            replace_order=sorted(reused, key=lambda j: float(d.tv[j, d.mapping[j]])),  # best-fitting first
+            upgrade_order=sorted(reused, key=lambda j: float(d.coverage[j, d.mapping[j]])),  # worst-covered first
+            upgrades=("hybrid", "native") if opts.hybrid else ("native",),
             min_top1=opts.min_top1,
             log=log,
         )
@@ -271,14 +290,15 @@ def calibrate(
     final = config(chosen, w_trained)
     quality = modes.evaluate(receiver, held, final)
     variants = {}
-    for name, lm in (("replace", all_replace), ("guided", all_guided)):
-        if lm != chosen:
-            variants[name] = modes.evaluate(receiver, held, config(lm, w_trained))
+    for name in ("replace", "guided", "hybrid"):
+        if every(name) != chosen:
+            variants[name] = modes.evaluate(receiver, held, config(every(name), w_trained))
     quality.update(
         {
             "method": final.method(),
             "heldout_contexts": len(held),
-            "context_tokens": opts.ctx_tokens,
+            "context_tokens": eval_len,
+            "train_context_tokens": opts.ctx_tokens,
             "suffix_tokens": opts.suffix_tokens,
             "variants": variants,
             "selection": choice_log,
@@ -317,5 +337,6 @@ def calibrate(
 
 
 def _opts_key(opts: CalibOptions, d: diagnose.Diagnosis) -> str:
-    parts = [opts.top_p, opts.block, opts.ctx_tokens, opts.suffix_tokens, opts.train_texts, opts.lr, d.r, d.mapping]
+    parts = [opts.capture_p, opts.top_p, opts.block, opts.ctx_tokens, opts.suffix_tokens, opts.train_texts, opts.lr]
+    parts += [d.r, d.mapping]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:12]

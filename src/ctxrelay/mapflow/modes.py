@@ -1,9 +1,9 @@
 """Per-layer mode choice by measured quality: guided, replace or native in each reused layer.
 
-Cost order on long contexts (measured in the benchmark): replace < guided < native. So the choice
-starts from guided everywhere, falls back to native in the layers guided covers worst until the
-quality target holds, then turns guided layers into replace, best-fitting first, keeping each
-change only if the target still holds. Every step is one evaluation of the receiver on the
+Cost order on long contexts (measured in the benchmark): replace < guided < hybrid < native. So the
+choice starts from guided everywhere, moves the layers guided covers worst up to hybrid (and then
+native) until the quality target holds, then turns guided layers into replace, best-fitting first,
+keeping each change only if the target still holds. Every step is one evaluation of the receiver on the
 selection contexts, logged.
 """
 
@@ -45,11 +45,18 @@ def choose_modes(
     start: list[str],
     *,
     replace_order: list[int],
-    native_order: list[int],
+    upgrade_order: list[int],
+    upgrades: tuple[str, ...] = ("hybrid", "native"),
     min_top1: float,
     log=print,
 ) -> tuple[list[str], dict]:
-    """Greedy per-layer choice; returns (modes, log of every evaluated step)."""
+    """Greedy per-layer choice; returns (modes, log of every evaluated step).
+
+    From `start` (guided in every reused layer): while below `min_top1`, move the next layer of
+    `upgrade_order` one step up `upgrades` (guided -> hybrid -> native: more of the receiver's own
+    attention, more cost); then try each layer of `replace_order` as replace, keeping it if the
+    target still holds.
+    """
     steps = []
 
     def score(layer_modes: list[str], what: str) -> dict:
@@ -60,11 +67,12 @@ def choose_modes(
 
     cur = list(start)
     q = score(cur, "start (guided in every reused layer)")
-    for j in native_order:  # guided too lossy: recompute the worst-covered layers natively
-        if q["top1_agreement"] >= min_top1:
-            break
-        cur[j] = "native"
-        q = score(cur, f"layer {j} -> native")
+    for target in upgrades:
+        for j in upgrade_order:
+            if q["top1_agreement"] >= min_top1:
+                break
+            cur[j] = target
+            q = score(cur, f"layer {j} -> {target}")
     for j in replace_order:
         if cur[j] != "guided" or q["top1_agreement"] < min_top1:
             continue
