@@ -47,7 +47,7 @@ class CalibConfig:
     gammas: str = "0"
     epss: str = "0.001,0.03"
     rank: int = 16  # rank of the output-aware corrections
-    epochs: int = 4
+    epochs: int = 2
     lr: float = 2e-3
     weight_decay: float = 1e-4
     kl_weight: float = 1.0  # key loss = kl_weight * KL(native attn || mapped) + o_proj output error
