@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import typer
@@ -12,6 +13,27 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 zoo_app = typer.Typer(no_args_is_help=True, help="Offline model zoo: list and pull the packaged models.")
 app.add_typer(zoo_app, name="zoo")
 console = Console(width=max(120, Console().width))
+
+
+def user_errors(fn):
+    """Bad input or a missing prerequisite prints one clear line, not a traceback (CTXRELAY_DEBUG=1 shows it)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from ctxrelay.eval import EvalError
+        from ctxrelay.state import BindingError
+        from ctxrelay.tensorfile import TensorFileError
+        from ctxrelay.zoo import ZooError
+
+        try:
+            return fn(*args, **kwargs)
+        except (EvalError, BindingError, TensorFileError, ZooError, ValueError, FileNotFoundError) as e:
+            if os.environ.get("CTXRELAY_DEBUG"):
+                raise
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(1) from None
+
+    return wrapper
 
 
 def set_threads(threads: int | None) -> int:
@@ -37,6 +59,7 @@ def zoo_list() -> None:
 
 
 @zoo_app.command("pull")
+@user_errors
 def zoo_pull(
     name: str = typer.Argument(..., help="zoo model name, or 'all'"),
     force: bool = typer.Option(False, help="convert again even if cached"),
@@ -79,7 +102,7 @@ def _jobs(transport: str):
     import importlib
 
     if transport not in ("native", "mapflow", "heterofold"):
-        raise typer.BadParameter(f"unknown transport {transport!r}: use native, mapflow or heterofold")
+        raise ValueError(f"unknown transport {transport!r}: use native, mapflow or heterofold")
     return importlib.import_module(f"ctxrelay.eval.{transport}_jobs")
 
 
@@ -91,6 +114,7 @@ def _command_line() -> str:
 
 
 @app.command()
+@user_errors
 def calibrate(
     transport: str = typer.Option(..., help="mapflow or heterofold"),
     sender: str = typer.Option(..., help="zoo name or model path"),
@@ -114,6 +138,7 @@ def calibrate(
 
 
 @app.command()
+@user_errors
 def bench(
     transport: str = typer.Argument("native", help="native, mapflow or heterofold"),
     model: str = typer.Option("", help="native: comma-separated zoo names or 'all'"),
@@ -141,6 +166,7 @@ def bench(
 
 
 @app.command()
+@user_errors
 def demo(
     tokens: int = typer.Option(1024, help="essay context length in sender tokens"),
     sender: str = typer.Option("qwen2.5-coder-1.5b"),
@@ -172,6 +198,7 @@ def demo(
 
 
 @app.command()
+@user_errors
 def profile(
     models: str = typer.Option("qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
     lengths: str = typer.Option("256,512,1024,2048", help="context lengths in tokens"),
@@ -195,6 +222,7 @@ def profile(
 
 
 @app.command()
+@user_errors
 def graph(
     models: str = typer.Option("qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
     tokens: int = typer.Option(2048, help="context length for the predicted costs"),
@@ -213,6 +241,7 @@ def graph(
 
 
 @app.command()
+@user_errors
 def serve(
     models: str = typer.Option("qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
     store: str = typer.Option("memory", help="memory[:SIZE] | disk:PATH | redis://HOST:PORT/DB, joined by '+'"),
