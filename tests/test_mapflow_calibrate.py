@@ -169,3 +169,42 @@ def test_operator_times_cover_every_operator(artifact, pair):
     assert ops["sdpa_ms"] > 0
     row = ops["p=0.9"]
     assert row["replace_ms"] > 0 and row["guided_group_ms"] > 0 and 0 < row["guided_head_density"] <= 1
+
+
+def test_mode_choice_upgrades_then_replaces_greedily():
+    from ctxrelay.mapflow.modes import choose_modes
+
+    cost = {"replace": 0.06, "guided": 0.03, "hybrid": 0.01, "native": 0.0}  # top-1 lost per layer in each mode
+
+    def fake_eval(layer_modes):
+        return {"top1_agreement": 1.0 - sum(cost[m] for m in layer_modes), "kl": 0.0}
+
+    start = ["native"] + ["guided"] * 5  # 1 - 5 * 0.03 = 0.85: below the 0.9 target
+    chosen, log = choose_modes(
+        fake_eval, start, replace_order=[5, 4, 3, 2, 1], upgrade_order=[1, 2, 3, 4, 5], min_top1=0.9, log=lambda m: None
+    )
+    # layers 1..3 become hybrid (0.85 -> 0.87 -> 0.89 -> 0.91), then no replace fits the remaining margin
+    assert chosen == ["native", "hybrid", "hybrid", "hybrid", "guided", "guided"]
+    assert log["final_top1"] >= 0.9 and len(log["steps"]) == 1 + 3 + 2
+
+
+def test_bench_end_to_end_on_tiny_models(artifact, pair, tmp_path, monkeypatch):
+    import json
+
+    from ctxrelay import zoo
+    from ctxrelay.eval import mapflow_bench
+
+    art, path = artifact
+    sender, receiver = pair
+    monkeypatch.setattr(zoo, "load", lambda name, **kw: {"S": sender, "R": receiver}[name])
+    monkeypatch.setattr(zoo, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setenv("CTXRELAY_RESULTS_DIR", str(tmp_path / "results"))
+    opts = {"artifact": str(path), "contexts": 2, "continuation": 17, "answer_tokens": 3, "p_list": "0.9"}
+    out = mapflow_bench.bench("", "S", "R", [160], 1, "mf", opts, "ctxrelay bench mapflow (test)")
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert rows[0]["transport"] == "native" and {r["transport"] for r in rows} >= {"mapflow", "iam", "flexprefill"}
+    for row in rows[1:]:
+        assert row["relay_ttft_s"] > 0 and 0 <= row["top1_agreement"] <= 1 and set(row["ppl"]) == {"1", "16"}
+        assert row["timing_gap_max"] < 0.5 and row["contexts"] == 2
+    assert "operators_ms" in doc["lengths"]["160"] and out.with_suffix(".png").exists()

@@ -142,18 +142,18 @@ def as_artifact(art, cfg):
 # ---- one context ------------------------------------------------------------------------------------
 
 
-def sender_state(sender_name: str, case: Case, capture_p: float, block: int, cache: Path, load):
-    """The sender's ContextState with maps at capture_p, prefilled once and cached on disk."""
+def sender_state(case: Case, capture_p: float, block: int, layers: list[int], cache: Path, load):
+    """The sender's ContextState with maps of `layers` at capture_p, prefilled once and cached on disk."""
     from ctxrelay import mapflow
     from ctxrelay.models import runner
     from ctxrelay.state import ContextState, capture_state
 
-    key = hashlib.sha256(f"{case.context}|{capture_p}|{block}".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{case.context}|{capture_p}|{block}|{layers}".encode()).hexdigest()[:24]
     path = cache / f"{key}.safetensors"
     if path.exists():
         return ContextState.load(path)
     m = load()
-    cap = mapflow.make_map_capture(m, top_p=capture_p, block=block)
+    cap = mapflow.make_map_capture(m, top_p=capture_p, block=block, layers=layers)
     t0 = time.perf_counter()
     state, _ = capture_state(
         m, case.context, "bench", kv=False, capture=runner.Capture(on_probs=cap.on_probs, prob_chunk=block)
@@ -250,7 +250,8 @@ def operator_times(state, art, receiver, ps: list[float], repeats: int = 3) -> d
     cfg = ReuseConfig.from_params(art.params, art.tensors)
     s = receiver.spec
     j = (cfg.r + s.num_layers) // 2
-    layer = cfg.mapping[j] if cfg.mapping[j] >= 0 else int(art.tensors["diagnosis.tv"][j].argmin())
+    captured = [int(x) for x in state.maps_meta["layers"]]
+    layer = cfg.mapping[j] if cfg.mapping[j] in captured else captured[len(captured) // 2]
     bm_full = maps_from_tensors(
         {k: v for k, v in state.maps.items() if k.startswith(f"{layer}.")}, dict(state.maps_meta, layers=[layer])
     )[layer]
@@ -335,17 +336,18 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
             snd.append(zoo.load(sender))
         return snd[0]
 
+    vs = variants(art, r, opts)
+    layers = sorted({sl for _, _, cfg in vs for sl in cfg.sender_layers()})  # capture only what is read
     rows, extra_lengths = [], {}
     for n in lengths:
         cases = cases_for(r.tokenizer, n, int(opts["contexts"]), int(opts["continuation"]), int(opts["seed"]))
         states = [
-            sender_state(sender, c, float(opts["capture_p"]), block, cache, load_sender)
+            sender_state(c, float(opts["capture_p"]), block, layers, cache, load_sender)
             for c in tqdm(cases, desc=f"sender states @{n}")
         ]
         if snd:  # free the 7 GB sender before the receiver runs
             snd.clear()
             gc.collect()
-        vs = variants(art, r, opts)
         arts = [as_artifact(art, cfg) for _, _, cfg in vs]
         acc = [dict(top1=0.0, kl=0.0, n=0, nll=[], native_nll=[], exact=[], info=None) for _ in vs]
         native_exact, refs = [], []
@@ -417,8 +419,10 @@ def _brief_quality(q: dict) -> dict:
 
 
 def _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, a, native_exact, st0) -> dict:
-    ppl = {str(h): math.exp(float(torch.stack([x[:h].mean() for x in a["nll"]]).mean())) for h in HORIZONS}
-    nppl = {str(h): math.exp(float(torch.stack([x[:h].mean() for x in a["native_nll"]]).mean())) for h in HORIZONS}
+    n_min = min(x.shape[0] for x in a["nll"])  # horizons longer than every continuation are left out
+    hs = [h for h in HORIZONS if h <= n_min]
+    ppl = {str(h): math.exp(float(torch.stack([x[:h].mean() for x in a["nll"]]).mean())) for h in hs}
+    nppl = {str(h): math.exp(float(torch.stack([x[:h].mean() for x in a["native_nll"]]).mean())) for h in hs}
     comp = {key: statistics.median(c[key] for c in comps[k]) for key in comps[k][0]}
     gap = max(abs(c["wall_s"] - sum(v for kk, v in c.items() if kk != "wall_s")) / c["wall_s"] for c in comps[k])
     info = a["info"] or {}
