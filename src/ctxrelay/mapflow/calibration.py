@@ -63,6 +63,7 @@ class CalibOptions:
     min_top1: float = 0.85  # mode choice target (on the selection texts)
     modes: str = "mixed"  # mixed (per-layer choice) | replace | guided | hybrid (every reused layer)
     hybrid: bool = True  # the mode choice may upgrade guided layers to hybrid before native
+    replace_trials: int = 8  # best-fitting layers the mode choice tries in replace mode
     force: bool = False  # calibrate even when the diagnosis refuses the pair
     seed: int = 0
     cache_dir: str = ""
@@ -279,7 +280,7 @@ def calibrate(
         chosen, choice_log = modes.choose_modes(
             lambda lm: modes.evaluate(receiver, select, config(lm, w_trained)),
             every("guided"),
-            replace_order=sorted(reused, key=lambda j: float(d.tv[j, d.mapping[j]])),  # best-fitting first
+            replace_order=sorted(reused, key=lambda j: float(d.tv[j, d.mapping[j]]))[: opts.replace_trials],
             upgrade_order=sorted(reused, key=lambda j: float(d.coverage[j, d.mapping[j]])),  # worst-covered first
             upgrades=("hybrid", "native") if opts.hybrid else ("native",),
             min_top1=opts.min_top1,

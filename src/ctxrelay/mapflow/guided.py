@@ -146,7 +146,7 @@ def _blocks(x: torch.Tensor, nb: int, block: int) -> torch.Tensor:
     return x.view(h, nb, block, d)
 
 
-def guided_attention(c: AttnCall, pat: BlockPattern, max_elems: int = 1 << 22) -> torch.Tensor:
+def guided_attention(c: AttnCall, pat: BlockPattern, max_elems: int = 1 << 20) -> torch.Tensor:
     """Softmax attention restricted to the pattern's key blocks, for a prefill from position 0.
 
     Rows (unit, query block) with the same number of kept blocks form one batched matmul (split so
