@@ -46,8 +46,8 @@ BENCH_DEFAULTS = {
     "capture_p": 0.95,  # sender maps are captured once at this p and re-selected per method
     "p_list": "0.8,0.9,0.95",
     "r_list": "",  # extra r for the frontier (default: artifact r + 4 and + 8)
-    "methods": "mapflow,guided,replace,iam,flex",
-    "flex_p": 0.9,
+    "methods": "mapflow,guided,hybrid,replace,iam,flex",
+    "flex_p": "0.8,0.9",  # FlexPrefill-style baseline's top-p values
     "seed": 0,
 }
 HORIZONS = (1, 16, 32, 128)
@@ -98,10 +98,12 @@ def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
     want = set(str(opts["methods"]).split(","))
     out = []
 
-    def cfg(modes, w, p, mapping=None):
-        mapping = mapping or [base.mapping[j] if m != "native" else -1 for j, m in enumerate(modes)]
-        ww = {j: w[j] for j, m in enumerate(modes) if m in ("replace", "guided")}
-        return ReuseConfig(modes, mapping, ww, p, base.guided_p, base.unit, float(opts["flex_p"]), base.block)
+    fps = [float(x) for x in str(opts["flex_p"]).split(",") if x]
+
+    def cfg(modes, w, p, mapping=None, flex_p=base.flex_p):
+        mapping = mapping or [base.mapping[j] if m not in ("native", "flex") else -1 for j, m in enumerate(modes)]
+        ww = {j: w[j] for j, m in enumerate(modes) if m in ("replace", "guided", "hybrid")}
+        return ReuseConfig(modes, mapping, ww, p, base.guided_p, base.unit, flex_p, base.block, base.local)
 
     def with_r(modes, r):
         return ["native"] * r + modes[r:]
@@ -116,6 +118,8 @@ def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
     if "guided" in want and base.method() != "guided":
         for p in ps:
             out.append(("mapflow", "guided", cfg(with_r(["guided"] * lr, r0), w_fit, p)))
+    if "hybrid" in want and base.method() != "hybrid":
+        out.append(("mapflow", "hybrid", cfg(with_r(["hybrid"] * lr, r0), w_fit, base.top_p)))
     if "replace" in want and base.method() != "replace":
         out.append(("mapflow", "replace", cfg(with_r(["replace"] * lr, r0), w_tr, base.top_p)))
     if "iam" in want:
@@ -125,7 +129,8 @@ def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
         sfx = [max(0, j + base_sender_layers(art) - lr) for j in range(lr)]
         out.append(("iam", "replace-50%", cfg(with_r(["replace"] * lr, half), w_iam, base.top_p, sfx)))
     if "flex" in want:
-        out.append(("flexprefill", "receiver-top-p", cfg(with_r(["flex"] * lr, r0), {}, base.top_p)))
+        for fp in fps:
+            out.append(("flexprefill", "receiver-top-p", cfg(with_r(["flex"] * lr, r0), {}, base.top_p, flex_p=fp)))
     return out
 
 
@@ -435,6 +440,7 @@ def _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, 
         "r": cfg.r,
         "top_p": cfg.top_p,
         "guided_p": cfg.guided_p,
+        "flex_p": cfg.flex_p,
         "modes": cfg.counts(),
         "native_ttft_s": medians[0],
         "relay_ttft_s": medians[k + 1],
