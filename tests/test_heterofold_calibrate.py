@@ -60,6 +60,14 @@ def test_corrections_fold_exactly_into_one_affine_map():
     folded = corr.fold()
     for role in "kv":
         assert torch.allclose(folded.maps[role][0](x), corr.mapped(role, 0, x), atol=1e-4)
+    # a factored base stays factored: the corrections append their factors (rank 3 + 2)
+    low = FoldMaps(base.sources, {r: [base.maps[r][0].factored(3)] for r in "kv"})
+    corr_low = Corrections(low, rank=2, scales=scales)
+    corr_low.load_state_dict(corr.state_dict())
+    folded = corr_low.fold()
+    for role in "kv":
+        assert folded.maps[role][0].rank == 5
+        assert torch.allclose(folded.maps[role][0](x), corr_low.mapped(role, 0, x), atol=1e-4)
 
 
 def test_low_rank_storage_is_the_truncated_svd():
@@ -92,7 +100,7 @@ def test_self_calibration_with_ridge_is_near_exact(cache, tiny_by_family):
 def test_calibrate_cross_family_artifact_resume_and_bindings(cache, tiny_by_family, tmp_path):
     sender, receiver = tiny_by_family["llama"], tiny_by_family["gemma3"]
     opts = {"method": "heterofold", "epochs": 2, "heldout_suffix": 40, "query_rows": 16, "val_every": 4,
-            "gammas": "0,1", "epss": "0.01", "store_rank": 8, "e2e_epochs": 1, "e2e_tokens": 24}  # fmt: skip
+            "gammas": "0,1", "epss": "0.01", "store_rank": 40, "e2e_epochs": 1, "e2e_tokens": 24}  # fmt: skip
     out = tmp_path / "a.safetensors"
     art = calibrate(sender, receiver, TEXTS[:8], TEXTS[8:], opts, command="cmd", out=out)
     loaded = Artifact.load(out)
@@ -103,7 +111,9 @@ def test_calibrate_cross_family_artifact_resume_and_bindings(cache, tiny_by_fami
     assert [h["epoch"] for h in train["history"]] == [0, 1, 2] and len(train["e2e"]) == 1
     assert set(train["validation"]) == {"init", "layer-local", "end-to-end"} and train["kept"] in train["validation"]
     assert {s["role"] for s in loaded.params["init_search"]} == {"k", "v"}
-    assert "k.0.u" in loaded.tensors and loaded.tensors["k.0.u"].dtype == torch.float16  # rank-8 fp16 factors
+    # store_rank 40 = an 8-dim base + two stages of rank-16 corrections, stored as exact fp16 factors
+    assert loaded.tensors["k.0.u"].dtype == torch.float16
+    assert loaded.tensors["k.0.u"].shape[1] == {"init": 8, "layer-local": 24, "end-to-end": 40}[train["kept"]]
     # resume: the finished checkpoint is picked up, nothing is retrained, same result
     again = calibrate(sender, receiver, TEXTS[:8], TEXTS[8:], opts, command="cmd")
     assert again.params["train"]["history"] == art.params["train"]["history"]

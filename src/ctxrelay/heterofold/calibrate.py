@@ -235,12 +235,30 @@ def calibrate(
                 results.append((_score(r), c))
             best_fit[role] = min(results, key=lambda sc: sc[0])[1]
     maps = FoldMaps(sources, closed_form(mom, best_fit))
+    stats = {r: [m.stats() for m in mom[r]] for r in ROLES}
+    if cfg.store_rank:
+        # small artifacts: the closed form keeps the principal directions of its output on the
+        # calibration data; the corrections are then trained ON the truncated map (they can make
+        # up for what it lost) and append their factors, so storage is exact at store_rank
+        stages = (1 + (cfg.e2e_epochs > 0)) if cfg.method == "heterofold" else 0
+        base_rank = cfg.store_rank - stages * cfg.rank
+        if base_rank < 1:
+            raise ValueError(
+                f"store_rank={cfg.store_rank} leaves no room for the base map next to rank-{cfg.rank} corrections"
+            )
+        maps = FoldMaps(
+            sources,
+            {
+                r: [m.factored(base_rank, stats[r][j][0].float(), stats[r][j][2].float()) for j, m in enumerate(ms)]
+                for r, ms in maps.maps.items()
+            },
+        )
     params = {"method": cfg.method, "pairing": cfg.pairing, "init": best_fit, "init_search": search}
 
     # 4. output-aware corrections: layer-local (the paper's key and value objectives), then an
     # optional end-to-end stage; validation decides which maps are kept (init included)
     if cfg.method == "heterofold":
-        tag = f"{digest}-r{cfg.rank}-s{cfg.seed}"
+        tag = f"{digest}-r{cfg.rank}-s{cfg.seed}" + (f"-sr{cfg.store_rank}" if cfg.store_rank else "")
         pairs = train_pairs()
         scales = feature_scales([s for s, _ in pairs], sources, [r for _, r in pairs])
         val_pairs = load_pairs(val_texts, "val")
@@ -264,17 +282,7 @@ def calibrate(
 
     # 5. fold / store, 6. report on exactly what is stored
     if cfg.store_rank:
-        # keep the principal directions of each map's output on the calibration data (maps.factored)
-        stats = {r: [m.stats() for m in mom[r]] for r in ROLES}
-        maps = FoldMaps(
-            maps.sources,
-            {
-                r: [
-                    m.factored(cfg.store_rank, stats[r][j][0].float(), stats[r][j][2].float()) for j, m in enumerate(ms)
-                ]
-                for r, ms in maps.maps.items()
-            },
-        )
+        assert all((m.rank or min(m.dense().shape)) <= cfg.store_rank for ms in maps.maps.values() for m in ms)
         params["store_rank"] = cfg.store_rank
     art = make_artifact(sender, receiver, maps, params, {}, command)
     art = Artifact.load(art.save(pair_dir / f".report-{cfg.method}.safetensors"))  # exactly the stored fp16 maps

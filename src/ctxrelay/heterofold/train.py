@@ -50,6 +50,9 @@ class Corrections(torch.nn.Module):
             base = self.base.maps[role][j](x)
         return base + sy * (((x - mu) / sx) @ self.a[key]) @ self.b[key] + self.db[key]
 
+    def new_rank(self) -> int:
+        return self.a[next(iter(self.a))].shape[1]
+
     @torch.no_grad()
     def fold(self) -> FoldMaps:
         out = {}
@@ -58,8 +61,12 @@ class Corrections(torch.nn.Module):
             for j, m in enumerate(self.base.maps[role]):
                 mu, sx, sy = self.scales[role][j]
                 key = f"{role}{j}"
-                delta = (self.a[key] @ self.b[key]) * (sy / sx)
-                maps.append(AffineMap(m.bias + self.db[key] - mu @ delta, weight=m.dense() + delta))
+                a = self.a[key] * (sy / sx)
+                bias = m.bias + self.db[key] - (mu @ a) @ self.b[key]
+                if m.weight is not None:
+                    maps.append(AffineMap(bias, weight=m.weight + a @ self.b[key]))
+                else:  # factored base: W = U V + A B = [U A] [V; B], exact, rank grows by r
+                    maps.append(AffineMap(bias, u=torch.cat([m.u, a], 1), vt=torch.cat([m.vt, self.b[key]], 0)))
             out[role] = maps
         return FoldMaps(self.base.sources, out)
 
