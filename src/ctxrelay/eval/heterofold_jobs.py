@@ -80,6 +80,15 @@ def calibration_texts(opts: dict) -> tuple[list[str], list[str]]:
     return train, held
 
 
+def find_artifact(sender: str, receiver: str, method: str = "heterofold") -> Path:
+    """The packaged artifact of a direction if the package ships one, else the default path."""
+    from ctxrelay import heterofold
+
+    name = f"heterofold-{Path(sender).name}-to-{Path(receiver).name}.safetensors"
+    packaged = Path(heterofold.__file__).parent.parent / "artifacts" / name
+    return packaged if method == "heterofold" and packaged.exists() else default_artifact_path(sender, receiver, method)
+
+
 def default_artifact_path(sender: str, receiver: str, method: str = "heterofold") -> Path:
     """Full heterofold artifacts go where the relay layer looks (<cache>/artifacts); baselines do not
     (they would become competing relay edges)."""
@@ -103,7 +112,8 @@ def calibrate(sender: str, receiver: str, out=None, resume: bool = True, options
     """`ctxrelay calibrate --transport heterofold --sender S --receiver R [--set method=...]`.
 
     method=all calibrates the three baselines and heterofold in one process (shared data, shared
-    held-out items); baselines go to their default paths, the returned path is heterofold's.
+    held-out items); baselines go to their default paths, heterofold to --out (or its default
+    path); the returned path is heterofold's.
     """
     from ctxrelay import heterofold, zoo
 
@@ -112,8 +122,6 @@ def calibrate(sender: str, receiver: str, out=None, resume: bool = True, options
         raise EvalError("heterofold transfers between two different models; sender and receiver are the same")
     method = cal_opts.pop("method", "heterofold")
     methods = list(heterofold.METHODS) if method == "all" else [method]
-    if out and len(methods) > 1:
-        raise EvalError("--out names one artifact; with method=all each method goes to its default path")
     command = command or _command(sender, receiver, options)
     train, held = calibration_texts(data_opts)
     s, r = zoo.load(sender), zoo.load(receiver)
@@ -124,7 +132,7 @@ def calibrate(sender: str, receiver: str, out=None, resume: bool = True, options
         except ValueError as e:
             raise EvalError(str(e)) from None
         art.params["data"] = data_opts
-        path = Path(out) if out else default_artifact_path(sender, receiver, m)
+        path = Path(out) if out and m == "heterofold" else default_artifact_path(sender, receiver, m)
         art.save(path)
     del s, r
     gc.collect()
@@ -248,7 +256,7 @@ def _artifact(sender: str, receiver: str, method: str, opts: dict):
     from ctxrelay import heterofold
     from ctxrelay.artifact import Artifact
 
-    path = default_artifact_path(sender, receiver, method)
+    path = find_artifact(sender, receiver, method)
     if not path.exists():
         if not opts["calibrate_missing"]:
             raise EvalError(f"no {method} artifact at {path}; run ctxrelay calibrate --transport heterofold first")
