@@ -208,3 +208,28 @@ def test_bench_end_to_end_on_tiny_models(artifact, pair, tmp_path, monkeypatch):
         assert row["relay_ttft_s"] > 0 and 0 <= row["top1_agreement"] <= 1 and set(row["ppl"]) == {"1", "16"}
         assert row["timing_gap_max"] < 0.5 and row["contexts"] == 2
     assert "operators_ms" in doc["lengths"]["160"] and out.with_suffix(".png").exists()
+
+
+def test_mode_choice_follows_measured_costs():
+    from ctxrelay.mapflow.modes import choose_modes
+
+    loss = {"replace": 0.0, "guided": 0.03, "hybrid": 0.01, "native": 0.0}
+
+    def fake_eval(layer_modes):
+        return {"top1_agreement": 1.0 - sum(loss[m] for m in layer_modes), "kl": 0.0}
+
+    # layer 1: hybrid costs as much as native (skipped); layer 3: replace is dearer than guided (never tried)
+    cost = {j: {"native": 10.0, "hybrid": 6.0, "guided": 4.0, "replace": 3.0} for j in (1, 2, 3)}
+    cost[1]["hybrid"] = 10.0
+    cost[3]["replace"] = 5.0
+    chosen, log = choose_modes(
+        fake_eval,
+        ["native", "guided", "guided", "guided"],
+        replace_order=[1, 2, 3],
+        upgrade_order=[1, 2, 3],
+        min_top1=0.925,
+        cost=cost,
+        log=lambda m: None,
+    )
+    assert chosen == ["native", "replace", "hybrid", "guided"]
+    assert [s["step"] for s in log["steps"]][1:] == ["layer 2 -> hybrid", "layer 1 -> replace"]

@@ -88,9 +88,18 @@ class Item:
 
     ctx: torch.Tensor  # [T]
     suffix: torch.Tensor  # [S]
-    maps: dict[int, BlockMaps]  # sender, at capture_p
+    held_maps: dict[int, BlockMaps] | None  # sender maps at capture_p, or None: read from `path` when used
     native: torch.Tensor  # [S, V] receiver logits predicting each suffix token
+    path: Path | None = None  # the sender-maps cache file (long contexts stay on disk between uses)
     prepared: dict = field(default_factory=dict)  # operator plans cached across training steps
+
+    @property
+    def maps(self) -> dict[int, BlockMaps]:
+        if self.held_maps is not None:
+            return self.held_maps
+        tensors, manifest = tensorfile.read(self.path)
+        tensors.pop("diag_rows", None)
+        return maps_from_tensors(tensors, manifest["maps_meta"])
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -132,7 +141,7 @@ def pair_cache_dir(sender: LoadedModel, receiver: LoadedModel, opts: CalibOption
 
 def sender_maps(
     sender: LoadedModel, ctx: torch.Tensor, opts: CalibOptions, rows: torch.Tensor | None, cache: Path
-) -> tuple[dict[int, BlockMaps], torch.Tensor | None]:
+) -> tuple[dict[int, BlockMaps], torch.Tensor | None, Path]:
     """Compressed maps (at capture_p) and, given `rows`, sampled dense rows of every sender layer.
 
     Cached on disk by content: the sender is the expensive model, so later runs never prefill it again.
@@ -144,7 +153,7 @@ def sender_maps(
         try:
             tensors, manifest = tensorfile.read(path)
             rows_t = tensors.pop("diag_rows", None)
-            return maps_from_tensors(tensors, manifest["maps_meta"]), rows_t
+            return maps_from_tensors(tensors, manifest["maps_meta"]), rows_t, path
         except (tensorfile.TensorFileError, KeyError):
             path.unlink(missing_ok=True)  # damaged cache entry: recompute
     s = sender.spec
@@ -160,7 +169,7 @@ def sender_maps(
     rows_t = sampler.result() if sampler is not None else None
     extra = {} if rows_t is None else {"diag_rows": rows_t}
     tensorfile.write(path, {**tensors, **extra}, {"kind": "mapflow_sender_maps", "maps_meta": meta})
-    return maps_from_tensors(tensors, meta), rows_t
+    return maps_from_tensors(tensors, meta), rows_t, path
 
 
 def receiver_reference(receiver: LoadedModel, ctx: torch.Tensor, suffix: torch.Tensor) -> torch.Tensor:
@@ -215,7 +224,7 @@ def calibrate(
         items, diag_s, diag_r, diag_mass = [], [], [], []
         for k, (ctx, suf) in enumerate(tqdm(train_pairs, desc=f"train contexts ({opts.ctx_tokens} tokens)")):
             diag = k < opts.diag_texts
-            maps, s_rows = sender_maps(sender, ctx, opts, rows if diag else None, cache)
+            maps, s_rows, _ = sender_maps(sender, ctx, opts, rows if diag else None, cache)
             items.append(Item(ctx, suf, maps, receiver_reference(receiver, ctx, suf)))
             if diag:
                 r_rows, r_mass = receiver_diag(receiver, ctx, rows, opts.block)
@@ -225,9 +234,9 @@ def calibrate(
         select, held = [], []
         pairs = select_pairs + held_pairs
         for k, (ctx, suf) in enumerate(tqdm(pairs, desc=f"selection + held-out contexts ({eval_len} tokens)")):
-            maps, _ = sender_maps(sender, ctx, opts, None, cache)
+            _, _, path = sender_maps(sender, ctx, opts, None, cache)  # long: kept on disk, read per use
             (select if k < len(select_pairs) else held).append(
-                Item(ctx, suf, maps, receiver_reference(receiver, ctx, suf))
+                Item(ctx, suf, None, receiver_reference(receiver, ctx, suf), path)
             )
     log(
         f"data: {len(items)} train contexts of {opts.ctx_tokens} tokens, {len(select)} selection and {len(held)} "
@@ -274,6 +283,13 @@ def calibrate(
         )
 
     # per-layer modes, scored on longer selection contexts
+    costs = modes.layer_costs(receiver, select[0], config(every("guided"), w_trained), w_trained)
+    log(
+        "layer attention ms (native/guided/hybrid/replace): "
+        + ", ".join(
+            f"{j}: {c['native']:.0f}/{c['guided']:.0f}/{c['hybrid']:.0f}/{c['replace']:.0f}" for j, c in costs.items()
+        )
+    )
     if opts.modes != "mixed":
         chosen, choice_log = every(opts.modes), {}
     else:
@@ -284,6 +300,7 @@ def calibrate(
             upgrade_order=sorted(reused, key=lambda j: float(d.coverage[j, d.mapping[j]])),  # worst-covered first
             upgrades=("hybrid", "native") if opts.hybrid else ("native",),
             min_top1=opts.min_top1,
+            cost=costs,
             log=log,
         )
 
@@ -303,6 +320,8 @@ def calibrate(
             "suffix_tokens": opts.suffix_tokens,
             "variants": variants,
             "selection": choice_log,
+            "layer_costs_ms": {str(j): {m: round(v, 2) for m, v in c.items()} for j, c in costs.items()},
+            "cost_context_tokens": int(select[0].ctx.shape[0]),
             "training": train_log,
             "diagnosis": d.summary(),
             "calibration_s": round(time.perf_counter() - t_start, 1),

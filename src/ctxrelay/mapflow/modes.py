@@ -1,20 +1,27 @@
-"""Per-layer mode choice by measured quality: guided, replace or native in each reused layer.
+"""Per-layer mode choice by measured quality and measured cost: replace, guided, hybrid or native.
 
-Cost order on long contexts (measured in the benchmark): replace < guided < hybrid < native. So the
-choice starts from guided everywhere, moves the layers guided covers worst up to hybrid (and then
-native) until the quality target holds, then turns guided layers into replace, best-fitting first,
-keeping each change only if the target still holds. Every step is one evaluation of the receiver on the
-selection contexts, logged.
+Costs are measured per layer on a long selection context with the receiver's real activations
+(`layer_costs`): the attention of that layer in each mode, including its pattern or plan. On this
+CPU guided beats replace at equal map density (see the benchmark), so the cost order is not fixed:
+the choice starts from guided everywhere, moves the layers guided covers worst up to hybrid (where
+hybrid costs less than native) and then native until the quality target holds, then tries replace
+in the best-fitting layers where replace measured cheaper than the layer's current mode, keeping
+each change only if the target still holds. Every step is one evaluation on the selection
+contexts, logged.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
+from ctxrelay.mapflow import apply, guided
 from ctxrelay.mapflow.reuse import ReuseConfig, context_pass
 from ctxrelay.models import runner
+from ctxrelay.models.attention import AttnCall, native_attention
 from ctxrelay.models.spec import LoadedModel
 
 
@@ -40,6 +47,60 @@ def evaluate(receiver: LoadedModel, items: list, cfg: ReuseConfig) -> dict:
     return {"top1_agreement": top1 / max(1, n), "kl": kl / max(1, n), "positions": n}
 
 
+def _ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(ts)
+
+
+def layer_costs(
+    receiver: LoadedModel, item, cfg: ReuseConfig, w_replace: dict[int, torch.Tensor], repeats: int = 2
+) -> dict[int, dict[str, float]]:
+    """Milliseconds of each reused layer's attention over `item`'s context in every mode.
+
+    The receiver's real q/k/v are recorded from one native prefill; each mode is timed with what it
+    must build at relay time (replace: the BSR plan; guided: the pattern; hybrid: both patterns).
+    """
+    calls: dict[int, AttnCall] = {}
+
+    def record(c: AttnCall) -> torch.Tensor:
+        calls[c.layer] = c
+        return native_attention(c)
+
+    layers = [j for j, m in enumerate(cfg.modes) if m != "native"]
+    maps = item.maps
+    with torch.inference_mode():
+        runner.forward(receiver, item.ctx, attention=dict.fromkeys(layers, record), logits="none")
+        out = {}
+        for j in layers:
+            c, bm, w = calls[j], maps[cfg.mapping[j]], cfg.w[j]
+            kv = c.k.shape[1]
+
+            def pattern(bm=bm, w=w, kv=kv):
+                return guided.guided_pattern(bm, w, cfg.guided_p, kv, cfg.unit, cfg.top_p, cfg.local)
+
+            def replace(bm=bm, j=j, c=c):
+                from ctxrelay.mapflow.sparse import reselect
+
+                return apply.replace_attention(apply.prepare_replace(reselect(bm, cfg.top_p)), w_replace[j], c.v)
+
+            def hybrid(c=c, pattern=pattern):
+                flex = guided.flex_pattern(c, cfg.block, cfg.flex_p, cfg.unit, cfg.local)
+                return guided.guided_attention(c, flex.union(pattern()))
+
+            out[j] = {
+                "native": _ms(lambda c=c: native_attention(c), repeats),
+                "guided": _ms(lambda c=c, pattern=pattern: guided.guided_attention(c, pattern()), repeats),
+                "hybrid": _ms(hybrid, repeats),
+                "replace": _ms(replace, repeats),
+            }
+    return out
+
+
 def choose_modes(
     evaluate_fn: Callable[[list[str]], dict],
     start: list[str],
@@ -48,15 +109,21 @@ def choose_modes(
     upgrade_order: list[int],
     upgrades: tuple[str, ...] = ("hybrid", "native"),
     min_top1: float,
+    cost: dict[int, dict[str, float]] | None = None,
     log=print,
 ) -> tuple[list[str], dict]:
     """Greedy per-layer choice; returns (modes, log of every evaluated step).
 
     From `start` (guided in every reused layer): while below `min_top1`, move the next layer of
     `upgrade_order` one step up `upgrades` (guided -> hybrid -> native: more of the receiver's own
-    attention, more cost); then try each layer of `replace_order` as replace, keeping it if the
-    target still holds.
+    attention), skipping a step that costs no less than the next one; then try each guided layer of
+    `replace_order` as replace where replace costs less than guided, keeping it if the target still
+    holds. Without `cost` every step is assumed to pay.
     """
+
+    def cheaper(j: int, a: str, b: str) -> bool:
+        return cost is None or cost[j][a] < cost[j][b]
+
     steps = []
 
     def score(layer_modes: list[str], what: str) -> dict:
@@ -67,14 +134,19 @@ def choose_modes(
 
     cur = list(start)
     q = score(cur, "start (guided in every reused layer)")
-    for target in upgrades:
+    for k, target in enumerate(upgrades):
         for j in upgrade_order:
             if q["top1_agreement"] >= min_top1:
                 break
+            later = upgrades[k + 1 :]
+            if later and not cheaper(j, target, later[-1]):
+                continue  # e.g. hybrid costs as much as native here: go straight to native later
+            if cur[j] in upgrades[k:]:
+                continue
             cur[j] = target
             q = score(cur, f"layer {j} -> {target}")
     for j in replace_order:
-        if cur[j] != "guided" or q["top1_agreement"] < min_top1:
+        if cur[j] != "guided" or q["top1_agreement"] < min_top1 or not cheaper(j, "replace", "guided"):
             continue
         trial = list(cur)
         trial[j] = "replace"
