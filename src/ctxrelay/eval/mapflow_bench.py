@@ -46,6 +46,7 @@ BENCH_DEFAULTS = {
     "capture_p": 0.95,  # sender maps are captured once at this p and re-selected per method
     "p_list": "0.8,0.9,0.95",
     "r_list": "",  # extra r for the frontier (default: artifact r + 4 and + 8)
+    "gp_list": "0.8",  # extra guided top-p values for the frontier (at the artifact's p)
     "methods": "mapflow,guided,hybrid,replace,iam,flex",
     "flex_p": "0.8,0.9",  # FlexPrefill-style baseline's top-p values
     "seed": 0,
@@ -100,10 +101,12 @@ def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
 
     fps = [float(x) for x in str(opts["flex_p"]).split(",") if x]
 
-    def cfg(modes, w, p, mapping=None, flex_p=base.flex_p):
+    gps = [float(x) for x in str(opts["gp_list"]).split(",") if x]
+
+    def cfg(modes, w, p, mapping=None, flex_p=base.flex_p, guided_p=base.guided_p):
         mapping = mapping or [base.mapping[j] if m not in ("native", "flex") else -1 for j, m in enumerate(modes)]
         ww = {j: w[j] for j, m in enumerate(modes) if m in ("replace", "guided", "hybrid")}
-        return ReuseConfig(modes, mapping, ww, p, base.guided_p, base.unit, flex_p, base.block, base.local)
+        return ReuseConfig(modes, mapping, ww, p, guided_p, base.unit, flex_p, base.block, base.local)
 
     def with_r(modes, r):
         return ["native"] * r + modes[r:]
@@ -115,6 +118,9 @@ def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
         for r in rs:
             if r0 < r < lr:
                 out.append(("mapflow", base.method(), cfg(with_r(base.modes, r), art_w, base.top_p)))
+        for gp in gps:
+            if gp != base.guided_p:
+                out.append(("mapflow", base.method(), cfg(base.modes, art_w, base.top_p, guided_p=gp)))
     if "guided" in want and base.method() != "guided":
         for p in ps:
             out.append(("mapflow", "guided", cfg(with_r(["guided"] * lr, r0), w_fit, p)))
