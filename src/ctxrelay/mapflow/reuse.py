@@ -169,7 +169,11 @@ def context_pass(
                 deferred.append((i, x))
             else:
                 k = runner.finish_keys(m, i, runner.project_k_raw(m, i, x), rope)
-            if mode == "replace":
+            if mode == "replace" and v.is_cuda and not differentiable and _triton_ok():
+                from ctxrelay.mapflow import triton_apply
+
+                out = triton_apply.replace_attention_triton(maps[cfg.mapping[i]], w_all[i], v)
+            elif mode == "replace":
                 fn = apply.replace_attention_padded if differentiable else apply.replace_attention
                 out = fn(plan, w_all[i], v)
             else:
@@ -191,6 +195,12 @@ def context_pass(
         for i, x in deferred:
             cache.keys[i] = runner.finish_keys(m, i, runner.project_k_raw(m, i, x), rope)
     return cache, h
+
+
+def _triton_ok() -> bool:
+    from ctxrelay.mapflow import triton_apply
+
+    return triton_apply.available()
 
 
 def _plan(i, mode, maps, cfg, w_all, differentiable, prepared, t, kv_heads):

@@ -6,34 +6,30 @@ W[hs, h] * tile / row_mass into a B x B register block for the current key block
 block is done multiplies that block with the receiver's V block of h's kv group into the output
 accumulator. The mixed receiver map exists only one B x B block at a time, in registers.
 
-Imported lazily, only where CUDA and triton are present (`available()`); never on the CPU path.
-NOTE: written without a GPU at hand; its test (tests/test_mapflow_triton.py) compares it with the
-torch operator and is skipped where CUDA is absent.
+The reuse path imports this module only for CUDA tensors; without triton it imports cleanly and
+`available()` is False. NOTE: written without a GPU at hand (never run); its test
+(tests/test_mapflow_triton.py) compares it with the torch operator and is skipped where CUDA is absent.
 """
 
-from __future__ import annotations
-
-import torch
+import torch  # no `from __future__ import annotations`: triton.jit reads the tl.constexpr annotations
 
 from ctxrelay.mapflow.sparse import BlockMaps
 
-
-def available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _kernel():
+try:  # the kernel needs triton's names as module globals (triton.jit resolves them there)
     import triton
     import triton.language as tl
+except ImportError:  # CPU installs: kernel_inputs and available() still work
+    triton = tl = None
+
+
+def available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
 
     @triton.jit
-    def mix_apply(
+    def _mix_apply(
         run_crow,  # [nqb + 1] runs of query-block row i are run_crow[i] .. run_crow[i+1]
         run_start,  # [n_runs + 1] tiles of run r are run_start[r] .. run_start[r+1]
         run_kb,  # [n_runs] key block of run r
@@ -65,21 +61,17 @@ def _kernel():
             n0 = tl.load(run_start + r)
             n1 = tl.load(run_start + r + 1)
             blk = tl.zeros((B, B), dtype=tl.float32)
-            for n in range(n0, n1):
+            for n in range(n0, n1):  # the sender heads of key block kb: one W-weighted B x B block
                 hs = tl.load(col + n) % HS
                 wv = tl.load(w + hs * HR + h)
                 inv = tl.load(inv_mass + hs * T + rows, mask=row_ok, other=0.0)
-                tile = tl.load(tiles + n * B * B + offs_b[:, None] * B + offs_b[None, :]).to(tl.float32)
+                base = n.to(tl.int64) * B * B
+                tile = tl.load(tiles + base + offs_b[:, None] * B + offs_b[None, :]).to(tl.float32)
                 blk += tile * (wv * inv)[:, None]
             keys = kb * B + offs_b
             vblk = tl.load(v + g * T * D + keys[:, None] * D + offs_d[None, :], mask=(keys < T)[:, None], other=0.0)
             acc += tl.dot(blk, vblk.to(tl.float32))
         tl.store(out + h * T * D + rows[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
-
-    return mix_apply
-
-
-_KERNEL = None
 
 
 def kernel_inputs(bm: BlockMaps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,9 +91,8 @@ def kernel_inputs(bm: BlockMaps) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def replace_attention_triton(bm: BlockMaps, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Same contract as apply.replace_attention: [1, Hr, T, d] from the sender map, W [Hs, Hr], V [1, Hkv, T, d]."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _kernel()
+    if not available():
+        raise RuntimeError("the Triton mix-and-apply kernel needs CUDA and triton; use apply.replace_attention")
     dev = v.device
     _, hkv, t, d = v.shape
     hs, hr = w.shape
@@ -109,7 +100,7 @@ def replace_attention_triton(bm: BlockMaps, w: torch.Tensor, v: torch.Tensor) ->
     inv = (1.0 / bm.row_mass.float().clamp_min(1e-30)).to(dev).contiguous()
     out = torch.empty(hr, t, d, device=dev, dtype=torch.float32)
     grid = (bm.num_row_blocks, hr)
-    _KERNEL[grid](
+    _mix_apply[grid](
         run_crow,
         run_start,
         run_kb,
