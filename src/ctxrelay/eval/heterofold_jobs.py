@@ -151,7 +151,7 @@ BENCH_DEFAULTS = {
     "methods": "same-index,ridge+ta,recolor+ta,heterofold",
     "datasets": "essays,sharegpt",
     "continuation": 513,  # teacher-forced continuation tokens (ppl@512 needs 513)
-    "answer_tokens": 10,  # greedy needle-answer tokens
+    "answer_tokens": 16,  # greedy needle-answer tokens (answers run to ~8 tokens; the first line is scored)
     "warmup": 1,
     "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts (shared by all pairs)
     "calibrate_missing": True,  # calibrate a direction/method whose artifact is missing
