@@ -17,6 +17,7 @@ OPTS = dict(
     block=16,
     ctx_tokens=96,
     eval_tokens=112,
+    cost_tokens=128,
     suffix_tokens=16,
     train_texts=3,
     select_texts=2,

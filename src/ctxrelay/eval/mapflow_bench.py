@@ -90,7 +90,8 @@ def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
 
     base = ReuseConfig.from_params(art.params, art.tensors)
     lr = receiver.spec.num_layers
-    r0 = base.r
+    r0 = int(art.params.get("reuse_from", base.r))
+    mapping = [int(x) for x in art.params.get("diagnosis_mapping", base.mapping)]
     reused = [j for j in range(r0, lr)]
     w_fit = {j: art.tensors[f"w_fit.{j}"] for j in reused}
     w_tr = {j: art.tensors.get(f"w_trained.{j}", w_fit[j]) for j in reused}
@@ -103,8 +104,10 @@ def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
 
     gps = [float(x) for x in str(opts["gp_list"]).split(",") if x]
 
+    mapping_all = mapping
+
     def cfg(modes, w, p, mapping=None, flex_p=base.flex_p, guided_p=base.guided_p):
-        mapping = mapping or [base.mapping[j] if m not in ("native", "flex") else -1 for j, m in enumerate(modes)]
+        mapping = mapping or [mapping_all[j] if m not in ("native", "flex") else -1 for j, m in enumerate(modes)]
         ww = {j: w[j] for j, m in enumerate(modes) if m in ("replace", "guided", "hybrid")}
         return ReuseConfig(modes, mapping, ww, p, guided_p, base.unit, flex_p, base.block, base.local)
 
@@ -260,9 +263,10 @@ def operator_times(state, art, receiver, ps: list[float], repeats: int = 3) -> d
 
     cfg = ReuseConfig.from_params(art.params, art.tensors)
     s = receiver.spec
-    j = (cfg.r + s.num_layers) // 2
+    j = (int(art.params.get("reuse_from", cfg.r)) + s.num_layers) // 2
+    mapping = [int(x) for x in art.params.get("diagnosis_mapping", cfg.mapping)]
     captured = [int(x) for x in state.maps_meta["layers"]]
-    layer = cfg.mapping[j] if cfg.mapping[j] in captured else captured[len(captured) // 2]
+    layer = mapping[j] if mapping[j] in captured else captured[len(captured) // 2]
     bm_full = maps_from_tensors(
         {k: v for k, v in state.maps.items() if k.startswith(f"{layer}.")}, dict(state.maps_meta, layers=[layer])
     )[layer]

@@ -62,7 +62,9 @@ def _needles(tokenizer, split: str, n: int, ctx_tokens: int, seed: int) -> list[
     return out
 
 
-def calibration_texts(tokenizer, opts: dict, ctx_tokens: int, suffix_tokens: int, eval_tokens: int, seed: int = 0):
+def calibration_texts(
+    tokenizer, opts: dict, ctx_tokens: int, suffix_tokens: int, eval_tokens: int, cost_tokens: int = 0, seed: int = 0
+):
     """(train, held-out) texts: strings are cut at a token count, (context, suffix) pairs keep their split."""
     chars = 5 * (ctx_tokens + suffix_tokens)  # essays and chats run at ~4 characters per token
     long_n = eval_tokens + suffix_tokens + 16
@@ -73,7 +75,8 @@ def calibration_texts(tokenizer, opts: dict, ctx_tokens: int, suffix_tokens: int
     long += _needles(tokenizer, "train", int(opts["long_needles"]), eval_tokens, seed + 100)
     held = [essay_haystack(tokenizer, long_n, "heldout", seed=seed + 3 * i) for i in range(int(opts["heldout_texts"]))]
     held += _needles(tokenizer, "heldout", int(opts["heldout_needles"]), eval_tokens, seed + 1000)
-    return _interleave(train) + _interleave(long), _interleave(held)
+    cost = [essay_haystack(tokenizer, cost_tokens + suffix_tokens + 16, "train", seed=seed + 99)] if cost_tokens else []
+    return _interleave(train) + _interleave(long) + cost, _interleave(held)
 
 
 def _interleave(texts: list) -> list:

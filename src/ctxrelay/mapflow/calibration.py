@@ -49,6 +49,7 @@ class CalibOptions:
     ctx_tokens: int = 512  # training and diagnosis contexts (short: cheap)
     suffix_tokens: int = 64
     eval_tokens: int = 2048  # mode choice and held-out report run on longer contexts, where reuse pays
+    cost_tokens: int = 4096  # per-layer attention costs are measured on one context this long (0: eval_tokens)
     train_texts: int = 16
     select_texts: int = 4  # train texts (at eval_tokens) the mode choice is scored on
     heldout_texts: int = 6
@@ -283,7 +284,12 @@ def calibrate(
         )
 
     # per-layer modes, scored on longer selection contexts
-    costs = modes.layer_costs(receiver, select[0], config(every("guided"), w_trained), w_trained)
+    cost_len = opts.cost_tokens or eval_len
+    cost_ctx, _ = split_texts(receiver, texts_train, opts, 1, cost_len)[0]
+    with torch.inference_mode():
+        _, _, cost_path = sender_maps(sender, cost_ctx, opts, None, cache)
+    cost_item = Item(cost_ctx, cost_ctx[:0], None, torch.zeros(0), cost_path)
+    costs = modes.layer_costs(receiver, cost_item, config(every("guided"), w_trained), w_trained)
     log(
         "layer attention ms (native/guided/hybrid/replace): "
         + ", ".join(
@@ -321,7 +327,7 @@ def calibrate(
             "variants": variants,
             "selection": choice_log,
             "layer_costs_ms": {str(j): {m: round(v, 2) for m, v in c.items()} for j, c in costs.items()},
-            "cost_context_tokens": int(select[0].ctx.shape[0]),
+            "cost_context_tokens": int(cost_ctx.shape[0]),
             "training": train_log,
             "diagnosis": d.summary(),
             "calibration_s": round(time.perf_counter() - t_start, 1),
@@ -333,6 +339,8 @@ def calibrate(
         "mapping_name": d.mapping_name,
         "alignment": "suffix" if d.mapping_name == "suffix" else "best-fit",
         "capture_p": opts.capture_p,
+        "reuse_from": d.r,  # the diagnosis' r (the chosen modes may keep more leading layers native)
+        "diagnosis_mapping": d.mapping,  # sender layer per receiver layer, also for layers left native
         "options": asdict(opts),
     }
     art = Artifact(

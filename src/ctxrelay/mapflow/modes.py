@@ -3,7 +3,8 @@
 Costs are measured per layer on a long selection context with the receiver's real activations
 (`layer_costs`): the attention of that layer in each mode, including its pattern or plan. On this
 CPU guided beats replace at equal map density (see the benchmark), so the cost order is not fixed:
-the choice starts from guided everywhere, moves the layers guided covers worst up to hybrid (where
+the choice starts from guided everywhere (native where guided measured no cheaper than native: then
+native is better on both counts), moves the layers guided covers worst up to hybrid (where
 hybrid costs less than native) and then native until the quality target holds, then tries replace
 in the best-fitting layers where replace measured cheaper than the layer's current mode, keeping
 each change only if the target still holds. Every step is one evaluation on the selection
@@ -133,7 +134,11 @@ def choose_modes(
         return q
 
     cur = list(start)
-    q = score(cur, "start (guided in every reused layer)")
+    dominated = [j for j, m in enumerate(cur) if m != "native" and cost is not None and not cheaper(j, m, "native")]
+    for j in dominated:  # native is exact: where the sparse mode is not even cheaper, it is the better choice
+        cur[j] = "native"
+    what = "start (guided in every reused layer" + (f"; native where not cheaper: {dominated})" if dominated else ")")
+    q = score(cur, what)
     for k, target in enumerate(upgrades):
         for j in upgrade_order:
             if q["top1_agreement"] >= min_top1:
