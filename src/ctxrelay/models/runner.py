@@ -59,6 +59,7 @@ class Capture:
     values: bool = False  # v_proj output
     on_probs: ProbsCallback | None = None  # attention probabilities, streamed in row chunks
     prob_chunk: int = 64
+    prob_layers: set[int] | None = None  # layers whose probabilities are wanted (None: all); others run SDPA
     keys: list[torch.Tensor] = field(default_factory=list)  # per layer [T, Hkv, d]
     vals: list[torch.Tensor] = field(default_factory=list)
 
@@ -191,7 +192,11 @@ def forward(
         call = attn_call(m, i, q, k_all, v_all, start)
         if i in attention:
             out = attention[i](call)
-        elif capture is not None and capture.on_probs is not None:
+        elif (
+            capture is not None
+            and capture.on_probs is not None
+            and (capture.prob_layers is None or i in capture.prob_layers)
+        ):
             out = eager_attention(call, capture.prob_chunk, capture.on_probs)
         else:
             out = native_attention(call)

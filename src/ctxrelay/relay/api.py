@@ -32,6 +32,7 @@ from ctxrelay.transport import RelayOutput
 
 log = logging.getLogger("ctxrelay.relay")
 
+MAP_MODES = ("replace", "guided", "hybrid")  # mapflow modes that read the sender's maps
 PACKAGED_ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 
 
@@ -130,12 +131,15 @@ class ModelPool:
         needs.add("kv")  # K/V serve the sender itself (exact continuation) and heterofold edges
         cap, compressor = runner.Capture(keys_pre_rope=True, values=True), None
         t0 = time.perf_counter()
-        if "maps" in needs:
-            p = next(e.params for e in edges if e.transport == "mapflow")
-            compressor = transport_module("mapflow").make_map_capture(
-                m, top_p=p.get("top_p", 0.9), block=p.get("block", 64)
+        if "maps" in needs:  # one capture serves every mapflow edge: highest p, union of the layers read
+            mf = [e.params for e in edges if e.transport == "mapflow"]
+            block = int(mf[0].get("block", 64))
+            top_p = max(float(p.get("capture_p", p.get("top_p", 0.9))) for p in mf)
+            layers = sorted(
+                {int(s) for p in mf for s, mode in zip(p["mapping"], p["modes"], strict=True) if mode in MAP_MODES}
             )
-            cap.on_probs, cap.prob_chunk = compressor.on_probs, p.get("block", 64)
+            compressor = transport_module("mapflow").make_map_capture(m, top_p=top_p, block=block, layers=layers)
+            cap.on_probs, cap.prob_chunk, cap.prob_layers = compressor.on_probs, block, set(layers)
         ids, offsets = tokenize_with_offsets(m, text)
         runner.forward(m, ids, capture=cap, logits="none")
         state = ContextState(
