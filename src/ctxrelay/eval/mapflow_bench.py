@@ -336,6 +336,8 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
     if model:
         raise EvalError("bench mapflow takes --sender/--receiver (a same-tokenizer pair), not --model")
     opts = _options(options)
+    if not lengths:
+        raise EvalError("give at least one context length (--lengths 1024,2048,4096)")
     sender, receiver = sender or DEFAULT_SENDER, receiver or DEFAULT_RECEIVER
     if "," in sender or "," in receiver:
         raise EvalError("bench mapflow measures one pair at a time: give one --sender and one --receiver")
@@ -405,19 +407,20 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
             rows.append(
                 _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, acc[k], native_exact, st0)
             )
-    path = write_results(
-        out,
-        rows,
-        command or _command(sender, receiver, lengths, repeats, options),
-        extra={
-            "artifact": str(art_path),
-            "artifact_quality": _brief_quality(art.quality),
-            "options": opts,
-            "lengths": extra_lengths,
-            "notes": NOTES,
-        },
-    )
-    plot(rows, plot_path(path), sender, receiver)
+        path = write_results(  # after every length: a long run that stops keeps what it measured
+            out,
+            rows,
+            command or _command(sender, receiver, lengths, repeats, options),
+            extra={
+                "artifact": str(art_path),
+                "artifact_quality": _brief_quality(art.quality),
+                "options": opts,
+                "lengths": extra_lengths,
+                "notes": NOTES,
+                "complete": n == lengths[-1],
+            },
+        )
+        plot(rows, plot_path(path), sender, receiver)
     return path
 
 
