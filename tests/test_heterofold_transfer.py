@@ -78,7 +78,7 @@ def test_cross_family_sink_is_native_and_specials_native(tiny_by_family):
     ids = tokenize_with_offsets(receiver, CONTEXT)[0]
     native = runner.forward(receiver, ids[:1], logits="none").cache
     for i in range(receiver.spec.num_layers):
-        assert torch.allclose(out.cache.keys[i][:, :, :1], native.keys[i], atol=1e-6)  # BOS: own state
+        assert torch.allclose(out.cache.keys[i][:, :, :1], native.keys[i], atol=1e-5)  # BOS: own state (fp32 tolerance)
         assert out.cache.keys[i].shape[2] == len(ids) + len(_suffix(receiver))
     assert out.info["context_tokens"] == len(ids) and out.info["exact_boundaries"] > 0
 
