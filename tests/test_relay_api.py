@@ -130,7 +130,19 @@ def test_gate_refuses_when_relay_is_predicted_slower(tiny_by_family, tmp_path):
     _edge_artifact(tmp_path / "e.safetensors", s, r)
     graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r, native_per_token=1e-4, relay_per_token=1e-3))
     d = decide(graph, _state(s), r.spec.weights_hash, 2048)
-    assert d.transport == "native" and "is not below native prefill" in d.reason
+    assert d.transport == "native" and "below native prefill" in d.reason
+
+
+def test_gate_wants_a_margin_over_native(tiny_by_family, tmp_path):
+    """A relay predicted only 5% faster is within the cost model's error: native, unless the caller
+    lowers the margin."""
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    _edge_artifact(tmp_path / "e.safetensors", s, r)
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r, native_per_token=1.05e-3, relay_per_token=1e-3))
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048)
+    assert d.transport == "native" and "is not 1.10x below native prefill" in d.reason
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048, min_speedup=1.0)
+    assert d.transport == "heterofold"
 
 
 def test_gate_refuses_artifact_for_another_model_version(tiny_by_family, tmp_path):

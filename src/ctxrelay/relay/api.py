@@ -24,7 +24,7 @@ from ctxrelay import zoo
 from ctxrelay.artifact import Artifact
 from ctxrelay.models import runner
 from ctxrelay.models.spec import LoadedModel
-from ctxrelay.relay.gate import NEEDS, Decision, decide
+from ctxrelay.relay.gate import MIN_SPEEDUP, NEEDS, Decision, decide
 from ctxrelay.relay.graph import Profile, TransportGraph
 from ctxrelay.relay.store import StateKey, StateStore, StoreUnavailable, open_store
 from ctxrelay.state import Binding, BindingError, ContextState, content_hash, tokenize_with_offsets
@@ -77,6 +77,7 @@ class ModelPool:
         profile: Profile | Path | None = None,
         quality_threshold: float = 0.0,
         overhead_s: float = 0.0,
+        min_speedup: float = MIN_SPEEDUP,
     ):
         self.models: dict[str, LoadedModel] = {}
         self.store = open_store(store) if isinstance(store, str) else store
@@ -86,7 +87,7 @@ class ModelPool:
             self.profile = Profile.load(self.profile_path)
         else:
             self.profile_path, self.profile = None, profile
-        self.quality_threshold, self.overhead_s = quality_threshold, overhead_s
+        self.quality_threshold, self.overhead_s, self.min_speedup = quality_threshold, overhead_s, min_speedup
         self._graph: TransportGraph | None = None
         self._artifacts: dict[Path, Artifact] = {}
         for m in models:
@@ -194,6 +195,7 @@ class ModelPool:
             requested=transport,
             quality_threshold=self.quality_threshold if quality_threshold is None else quality_threshold,
             overhead_s=self.overhead_s,
+            min_speedup=self.min_speedup,
         )
         timings["gate_s"] = time.perf_counter() - tg
         if d.transport == "native":
