@@ -252,8 +252,12 @@ class ModelPool:
             ta = time.perf_counter()
             out = runner.forward(r, suffix_ids if len(suffix_ids) else state.tokens[keep:], cache)
             return RelayOutput(out.cache, out.logits, {"assemble_s": ta - t, "first_token_s": time.perf_counter() - ta})
-        art = self.artifact(d.edge.artifact_path)
-        return transport_module(d.transport).relay_prefill(r, state, art, suffix_ids)
+        t = time.perf_counter()
+        art = self.artifact(d.edge.artifact_path)  # read from disk on an edge's first use
+        read_s = time.perf_counter() - t
+        out = transport_module(d.transport).relay_prefill(r, state, art, suffix_ids)
+        out.timings["copy_s"] = out.timings.get("copy_s", 0.0) + read_s  # bytes brought in: state and artifact
+        return out
 
     def _native(
         self, r, text, suffix_ids, t0, timings, reason, max_new_tokens=32, temperature=0.0, d: Decision | None = None
