@@ -109,7 +109,8 @@ class ModelPool:
     @property
     def graph(self) -> TransportGraph:
         if self._graph is None:
-            self._graph = TransportGraph.build(list(self.models.values()), self.artifact_dirs, self.profile)
+            models = list(self.models.values())
+            self._graph = TransportGraph.build(models, self.artifact_dirs, self.profile, self.artifact)
         return self._graph
 
     def refresh(self, profile: Profile | None = None) -> None:
@@ -252,12 +253,8 @@ class ModelPool:
             ta = time.perf_counter()
             out = runner.forward(r, suffix_ids if len(suffix_ids) else state.tokens[keep:], cache)
             return RelayOutput(out.cache, out.logits, {"assemble_s": ta - t, "first_token_s": time.perf_counter() - ta})
-        t = time.perf_counter()
-        art = self.artifact(d.edge.artifact_path)  # read from disk on an edge's first use
-        read_s = time.perf_counter() - t
-        out = transport_module(d.transport).relay_prefill(r, state, art, suffix_ids)
-        out.timings["copy_s"] = out.timings.get("copy_s", 0.0) + read_s  # bytes brought in: state and artifact
-        return out
+        art = self.artifact(d.edge.artifact_path)  # read once, when the graph was built
+        return transport_module(d.transport).relay_prefill(r, state, art, suffix_ids)
 
     def _native(
         self, r, text, suffix_ids, t0, timings, reason, max_new_tokens=32, temperature=0.0, d: Decision | None = None

@@ -133,7 +133,7 @@ def _not_worth_it(
     if e.cost is None:
         return "no cost profile for this edge (run `ctxrelay profile`)"
     relay_s = e.cost.total(n) + overhead_s
-    if relay_s * min_speedup > native_s:
+    if relay_s * min_speedup >= native_s:
         return (
             f"predicted {relay_s:.2f} s is not {min_speedup:.2f}x below native prefill {native_s:.2f} s at {n} tokens"
         )

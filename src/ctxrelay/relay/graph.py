@@ -129,7 +129,10 @@ class TransportGraph:
     skipped: list[str] = field(default_factory=list)  # artifacts found but not usable, with why
 
     @staticmethod
-    def build(models: list[LoadedModel], artifact_dirs: list[Path], profile: Profile) -> TransportGraph:
+    def build(
+        models: list[LoadedModel], artifact_dirs: list[Path], profile: Profile, load=Artifact.load
+    ) -> TransportGraph:
+        """`load` reads an artifact; a pool passes its own cache so the relay path reuses what was read here."""
         nodes = {
             m.spec.weights_hash: Node(
                 m.spec.name, m.spec.weights_hash, m.spec.tokenizer_hash, profile.native.get(m.spec.weights_hash)
@@ -139,7 +142,7 @@ class TransportGraph:
         edges, skipped = [], []
         for path in sorted({p for d in artifact_dirs if d.exists() for p in d.glob("*.safetensors")}):
             try:
-                art = Artifact.load(path)
+                art = load(path)
             except TensorFileError as e:
                 skipped.append(f"{path.name}: {e}")
                 continue
