@@ -111,6 +111,8 @@ class ModelPool:
         if self._graph is None:
             models = list(self.models.values())
             self._graph = TransportGraph.build(models, self.artifact_dirs, self.profile, self.artifact)
+            for t in {e.transport for e in self._graph.edges}:  # import now, not inside a request's TTFT
+                transport_module(t)
         return self._graph
 
     def refresh(self, profile: Profile | None = None) -> None:
