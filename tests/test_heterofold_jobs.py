@@ -49,3 +49,52 @@ def test_bench_cases_cut_contexts_at_token_counts():
         n_ctx = len(tok(c.context, add_special_tokens=False)["input_ids"])
         assert c.length < n_ctx <= c.length + 80  # the needle fact adds one sentence
         assert len(tok(c.continuation, add_special_tokens=False)["input_ids"]) >= 40
+
+
+def _bench_doc(dirs, methods, cases, sha):
+    rows = []
+    for r in dict.fromkeys(r for _, r in dirs):
+        for length, ds in cases:
+            rows.append({"transport": "native", "method": "text-relay", "receiver": r, "length": length, "dataset": ds})
+            for s, r2 in dirs:
+                if r2 == r:
+                    rows += [
+                        {
+                            "transport": "heterofold",
+                            "method": m,
+                            "sender": s,
+                            "receiver": r,
+                            "length": length,
+                            "dataset": ds,
+                            "artifact_sha": sha[(s, r, m)],
+                        }  # fmt: skip
+                        for m in methods
+                    ]
+    return rows
+
+
+def test_bench_resumes_only_receivers_a_run_finished_with_the_same_artifacts(tmp_path, monkeypatch):
+    from ctxrelay.eval.heterofold_report import reusable_rows
+    from ctxrelay.eval.results import write_results
+
+    monkeypatch.setenv("CTXRELAY_RESULTS_DIR", str(tmp_path))
+    dirs = [("a", "b"), ("c", "b"), ("a", "c")]
+    methods = ["ridge+ta", "heterofold"]
+    cases = [(64, "essays"), (64, "sharegpt")]
+    sha = {(s, r, m): f"{s}{r}{m}" for s, r in dirs for m in methods}
+    extra = {"options": {"x": 1}, "lengths": [64], "repeats": 3, "directions": [list(d) for d in dirs]}
+    extra["cases"] = [{"dataset": ds, "length": n, "context_sha": f"{n}{ds}"} for n, ds in cases]
+    rows = _bench_doc(dirs, methods, cases, sha)
+    rows = [x for x in rows if not (x["receiver"] == "c" and x["dataset"] == "sharegpt")]  # c stopped midway
+    write_results("hb", rows, "ctxrelay bench heterofold", extra)
+
+    found = reusable_rows("hb", extra, dirs, methods, sha)
+    assert set(found) == {"b"}  # c is incomplete: measured again
+    assert len(found["b"][0]) == 2 * (1 + 2 * 2) and found["b"][1]["command"] == "ctxrelay bench heterofold"
+    # a recalibrated artifact (other content) invalidates that receiver's rows
+    assert reusable_rows("hb", extra, dirs, methods, {**sha, ("c", "b", "heterofold"): "new"}) == {}
+    # other cases, options or repeats: nothing is reused
+    assert reusable_rows("hb", {**extra, "repeats": 5}, dirs, methods, sha) == {}
+    assert reusable_rows("hb", {**extra, "cases": extra["cases"][:1]}, dirs, methods, sha) == {}
+    # a missing or different file: nothing to resume
+    assert reusable_rows("other", extra, dirs, methods, sha) == {}

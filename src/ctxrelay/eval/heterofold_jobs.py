@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ctxrelay.eval import EvalError
 from ctxrelay.eval.datasets import conversation_text, essay_haystack, essays, sharegpt_conversations
+from ctxrelay.eval.heterofold_report import file_sha, plot, reusable_rows, summarize
 from ctxrelay.eval.metrics import compare
 from ctxrelay.eval.needle import make_needle_case, score_answer
 from ctxrelay.eval.results import median_time, write_results
@@ -155,6 +156,7 @@ BENCH_DEFAULTS = {
     "warmup": 1,
     "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts (shared by all pairs)
     "calibrate_missing": True,  # calibrate a direction/method whose artifact is missing
+    "resume": True,  # keep the rows of receivers an earlier run finished (same cases, artifacts, machine)
     "seed": 0,
 }
 
@@ -345,6 +347,7 @@ def bench(
     if not lengths or any(n < 16 for n in lengths) or repeats < 1:
         raise EvalError(f"lengths must be token counts >= 16 and repeats >= 1 (got {list(lengths)}, {repeats})")
     opts = _bench_options(options)
+    resume = bool(opts.pop("resume"))  # how to run, not what is measured: not part of the options compared
     dirs = _directions(sender, receiver)
     methods = str(opts["methods"]).split(",")
     datasets = str(opts["datasets"]).split(",")
@@ -353,14 +356,21 @@ def bench(
     cases = bench_cases(ref_tok, sorted(lengths), datasets, int(opts["continuation"]), int(opts["seed"]))
     states = {s: _sender_states(s, cases) for s in dict.fromkeys(s for s, _ in dirs)}
     arts = {(s, r, m): _artifact(s, r, m, opts) for s, r in dirs for m in methods}
+    art_sha = {key: file_sha(p) for key, (p, _) in arts.items()}
     extra = {"options": opts, "lengths": sorted(lengths), "repeats": repeats, "directions": [list(d) for d in dirs]}
     extra["cases"] = [{"dataset": c.dataset, "length": c.length, "context_sha": text_key(c.context)} for c in cases]
     rows: list[dict] = []
     path = None
     receivers = list(dict.fromkeys(r for _, r in dirs))
+    reused = reusable_rows(out, extra, dirs, methods, art_sha) if resume else {}
+    extra["reused"] = {r: info for r, (_, info) in reused.items()}
     total = len(cases) * sum(1 + len(methods) * sum(1 for _, r2 in dirs if r2 == r) for r in receivers)
     bar = tqdm(total=total, desc="heterofold bench", unit="run")
     for rname in receivers:
+        if rname in reused:  # measured by an earlier run of this same bench (same cases, artifacts, machine)
+            rows.extend(reused[rname][0])
+            bar.update(len(reused[rname][0]))
+            continue
         r = zoo.load(rname)
         senders = [s for s, r2 in dirs if r2 == rname]
         for ci, case in enumerate(cases):
@@ -401,6 +411,7 @@ def bench(
                         native_answer=ref.answer,
                         sender_tokens=state.num_tokens,
                         artifact=apath.name,
+                        artifact_sha=art_sha[(sname, rname, method)],
                         calibrated_quality={
                             k: art.quality.get(k) for k in ("top1_agreement", "kl") if k in art.quality
                         },
@@ -422,85 +433,3 @@ def bench(
     path = write_results(out, rows, command, {**extra, "complete": True, "summary": summarize(rows)})
     plot(rows, path)
     return path
-
-
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per direction x method x dataset, pooled over lengths: the numbers the issue's bar names."""
-    groups: dict[tuple, list[dict]] = {}
-    for row in rows:
-        if row["transport"] == "heterofold":
-            groups.setdefault((row["sender"], row["receiver"], row["method"], row["dataset"]), []).append(row)
-    out = []
-    for (s, r, m, ds), rs in groups.items():
-        ratios = [x["ppl"]["128"] / x["native_ppl"]["128"] for x in rs if "128" in x["ppl"]]
-        timed = {x["length"]: x["speedup"] for x in rs if "speedup" in x}
-        out.append(
-            {
-                "sender": s,
-                "receiver": r,
-                "method": m,
-                "dataset": ds,
-                "lengths": sorted(x["length"] for x in rs),
-                "top1_agreement": statistics.mean(x["top1_agreement"] for x in rs),
-                "kl": statistics.mean(x["kl"] for x in rs),
-                "ppl128_ratio": statistics.mean(ratios) if ratios else None,
-                "needle_acc": statistics.mean(x["needle_acc"] for x in rs),
-                "native_needle_acc": statistics.mean(x["native_needle_acc"] for x in rs),
-                "speedup_by_length": {str(k): v for k, v in sorted(timed.items())},
-            }
-        )
-    return out
-
-
-def plot(rows: list[dict], path: Path) -> Path:
-    """Speedup vs length (heterofold), and ppl@128 ratio / top-1 per direction and method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ctxrelay.eval.plots import plot_path
-
-    het = [x for x in rows if x["transport"] == "heterofold"]
-    dirs = list(dict.fromkeys((x["sender"], x["receiver"]) for x in het))
-    methods = list(dict.fromkeys(x["method"] for x in het))
-    short = lambda n: n.replace("qwen2.5-coder-", "qw").replace("smollm2-135m", "smol").replace("gemma3-270m", "gem")
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5), dpi=110)
-    for s, r in dirs:
-        pts = sorted((x["length"], x["speedup"]) for x in het if (x["sender"], x["receiver"]) == (s, r) and
-                     x["method"] == "heterofold" and "speedup" in x)  # fmt: skip
-        if pts:
-            axes[0].plot(*zip(*pts, strict=True), marker="o", label=f"{short(s)}->{short(r)}")
-    axes[0].axhline(10, color="grey", ls="--", lw=0.8)
-    axes[0].set(xscale="log", yscale="log", xlabel="context tokens", ylabel="native TTFT / relay TTFT",
-                title="heterofold receiver speedup (same run)")  # fmt: skip
-    axes[0].legend(fontsize=7)
-    width = 0.8 / max(len(methods), 1)
-    for k, (key, ax, label) in enumerate(
-        (("ppl", axes[1], "relay ppl@128 / native ppl@128"), ("top1", axes[2], "top-1 agreement with native"))
-    ):
-        del k
-        for mi, m in enumerate(methods):
-            vals = []
-            for s, r in dirs:
-                rs = [x for x in het if (x["sender"], x["receiver"], x["method"]) == (s, r, m)]
-                if key == "ppl":
-                    v = [x["ppl"]["128"] / x["native_ppl"]["128"] for x in rs if "128" in x["ppl"]]
-                else:
-                    v = [x["top1_agreement"] for x in rs]
-                vals.append(statistics.mean(v) if v else float("nan"))
-            ax.bar([i + mi * width for i in range(len(dirs))], vals, width, label=m)
-        ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(dirs))])
-        ax.set_xticklabels([f"{short(s)}->{short(r)}" for s, r in dirs], rotation=35, ha="right", fontsize=7)
-        ax.set_ylabel(label)
-        ax.legend(fontsize=7)
-    axes[1].axhline(1.3, color="grey", ls="--", lw=0.8)
-    axes[1].set_yscale("log")
-    axes[1].set_title("continuation perplexity vs native (all lengths, both datasets)")
-    axes[2].axhline(0.8, color="grey", ls="--", lw=0.8)
-    axes[2].set_title("next-token top-1 agreement vs native")
-    fig.tight_layout()
-    out = plot_path(path)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
