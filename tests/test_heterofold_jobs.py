@@ -98,3 +98,8 @@ def test_bench_resumes_only_receivers_a_run_finished_with_the_same_artifacts(tmp
     assert reusable_rows("hb", {**extra, "cases": extra["cases"][:1]}, dirs, methods, sha) == {}
     # a missing or different file: nothing to resume
     assert reusable_rows("other", extra, dirs, methods, sha) == {}
+
+
+def test_calibrate_refuses_unknown_methods_before_loading_anything():
+    with pytest.raises(EvalError, match="unknown heterofold method"):
+        jobs.calibrate("smollm2-135m", "gemma3-270m", options={"method": "ridge+ta,ridge"})

@@ -112,8 +112,8 @@ def _split_options(options: dict | None) -> tuple[dict, dict]:
 def calibrate(sender: str, receiver: str, out=None, resume: bool = True, options=None, command: str = "") -> Path:
     """`ctxrelay calibrate --transport heterofold --sender S --receiver R [--set method=...]`.
 
-    method=all calibrates the three baselines and heterofold in one process (shared data, shared
-    held-out items); baselines go to their default paths, heterofold to --out (or its default
+    method=all (or a comma list) calibrates the three baselines and heterofold in one process (shared
+    data, shared held-out items); baselines go to their default paths, heterofold to --out (or its default
     path); the returned path is heterofold's.
     """
     from ctxrelay import heterofold, zoo
@@ -122,7 +122,11 @@ def calibrate(sender: str, receiver: str, out=None, resume: bool = True, options
     if sender == receiver:
         raise EvalError("heterofold transfers between two different models; sender and receiver are the same")
     method = cal_opts.pop("method", "heterofold")
-    methods = list(heterofold.METHODS) if method == "all" else [method]
+    methods = list(heterofold.METHODS) if method == "all" else str(method).split(",")
+    bad = [m for m in methods if m not in heterofold.METHODS]
+    if bad:
+        known = ", ".join(heterofold.METHODS)
+        raise EvalError(f"unknown heterofold method(s) {bad}: use all, or a comma list of {known}")
     command = command or _command(sender, receiver, options)
     train, held = calibration_texts(data_opts)
     s, r = zoo.load(sender), zoo.load(receiver)
