@@ -23,8 +23,7 @@ from tqdm import tqdm
 
 from ctxrelay.artifact import Artifact
 from ctxrelay.heterofold import quality
-from ctxrelay.heterofold.maps import FoldMaps, translate
-from ctxrelay.heterofold.transfer import TRANSPORT, align_for, check_bindings, fill_native
+from ctxrelay.heterofold.transfer import TRANSPORT, assemble_cache, check_bindings
 from ctxrelay.models import runner
 from ctxrelay.models.runner import KVCache
 from ctxrelay.models.spec import LoadedModel
@@ -38,15 +37,7 @@ def translated_cache(receiver: LoadedModel, state: ContextState, artifact: Artif
     """The receiver cache relay_prefill assembles for the whole context (no suffix run)."""
     check_bindings(receiver, state, artifact)
     ids, offsets = tokenize_with_offsets(receiver, state.text)
-    al = align_for(receiver, state, artifact, ids, offsets)
-    maps = FoldMaps.from_tensors(artifact.tensors, artifact.params["sources"])
-    s = receiver.spec
-    send_k = state.keys_pre_rope.to(receiver.device, receiver.dtype)
-    send_v = state.values.to(receiver.device, receiver.dtype)
-    keys, values = translate(maps, send_k, send_v, al.src.to(receiver.device), s.num_kv_heads, s.head_dim)
-    cache = runner.cache_from_pre_rope(receiver, keys, values)
-    fill_native(receiver, ids, cache, al.native)
-    return cache, ids
+    return assemble_cache(receiver, state, artifact, ids, offsets)[0], ids
 
 
 def mix(translated: KVCache, native: KVCache, variant: str) -> KVCache:

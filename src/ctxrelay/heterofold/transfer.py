@@ -96,6 +96,33 @@ def fill_native(m: LoadedModel, ids: torch.Tensor, cache: KVCache, positions: li
             cache.values[i][:, :, q] = out.cache.values[i][:, :, q]
 
 
+def assemble_cache(
+    receiver: LoadedModel,
+    state: ContextState,
+    artifact: Artifact,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    sw: Stopwatch | None = None,
+) -> tuple[KVCache, Alignment]:
+    """The receiver cache for the context tokens `ids` (receiver tokenization of state.text) from the
+    sender's K/V; bindings must be checked already. Timed into `sw` as translate / copy / assemble."""
+    sw = sw or Stopwatch()
+    with sw("translate_s"):
+        al = align_for(receiver, state, artifact, ids, offsets)
+        maps = FoldMaps.from_tensors(artifact.tensors, artifact.params["sources"])
+    with sw("copy_s"):
+        send_k = state.keys_pre_rope.to(receiver.device, receiver.dtype)
+        send_v = state.values.to(receiver.device, receiver.dtype)
+    with sw("translate_s"):
+        s = receiver.spec
+        keys, values = translate(maps, send_k, send_v, al.src.to(receiver.device), s.num_kv_heads, s.head_dim)
+    with sw("assemble_s"):
+        cache = runner.cache_from_pre_rope(receiver, keys, values) if ids.numel() else KVCache.empty(receiver)
+        if ids.numel():
+            fill_native(receiver, ids, cache, al.native)
+    return cache, al
+
+
 def relay_prefill(
     receiver: LoadedModel,
     state: ContextState,
@@ -120,18 +147,7 @@ def relay_prefill(
             if ids.numel() == 0:
                 raise ValueError("nothing to run: the context text and the suffix are both empty")
             ids, offsets, suffix = ids[:-1], offsets[:-1], ids[-1:]
-        al = align_for(receiver, state, artifact, ids, offsets)
-        maps = FoldMaps.from_tensors(artifact.tensors, artifact.params["sources"])
-    with sw("copy_s"):
-        send_k = state.keys_pre_rope.to(receiver.device, receiver.dtype)
-        send_v = state.values.to(receiver.device, receiver.dtype)
-    with sw("translate_s"):
-        s = receiver.spec
-        keys, values = translate(maps, send_k, send_v, al.src.to(receiver.device), s.num_kv_heads, s.head_dim)
-    with sw("assemble_s"):
-        cache = runner.cache_from_pre_rope(receiver, keys, values) if ids.numel() else KVCache.empty(receiver)
-        if ids.numel():
-            fill_native(receiver, ids, cache, al.native)
+    cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw)
     with sw("first_token_s"):
         out = runner.forward(receiver, suffix, cache, logits=logits)
         first = int(out.logits[-1].argmax())
