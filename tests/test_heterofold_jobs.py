@@ -103,3 +103,20 @@ def test_bench_resumes_only_receivers_a_run_finished_with_the_same_artifacts(tmp
 def test_calibrate_refuses_unknown_methods_before_loading_anything():
     with pytest.raises(EvalError, match="unknown heterofold method"):
         jobs.calibrate("smollm2-135m", "gemma3-270m", options={"method": "ridge+ta,ridge"})
+
+
+def test_summary_pools_lengths_per_direction_method_and_dataset():
+    from ctxrelay.eval.heterofold_report import summarize
+
+    def row(length, ppl, native, speedup=None):
+        r = {"transport": "heterofold", "sender": "a", "receiver": "b", "method": "heterofold", "dataset": "essays",
+             "length": length, "ppl": {"128": ppl}, "native_ppl": {"128": native}, "top1_agreement": 0.5,
+             "kl": 0.1, "needle_acc": 0.0, "native_needle_acc": 1.0}  # fmt: skip
+        return {**r, "speedup": speedup} if speedup else r
+
+    native_row = {**row(512, 1.0, 1.0), "transport": "native"}
+    (s,) = summarize([row(512, 4.0, 2.0, speedup=3.0), row(1024, 1.0, 2.0), native_row])
+    assert s["lengths"] == [512, 1024]
+    assert s["ppl128_ratio"] == pytest.approx(1.25)  # (2 + 0.5) / 2
+    assert s["ppl128_ratio_geomean"] == pytest.approx(1.0)  # a 2x loss and a 2x gain cancel
+    assert s["speedup_by_length"] == {"512": 3.0}

@@ -65,6 +65,9 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "top1_agreement": statistics.mean(x["top1_agreement"] for x in rs),
                 "kl": statistics.mean(x["kl"] for x in rs),
                 "ppl128_ratio": statistics.mean(ratios) if ratios else None,
+                # one copy-heavy case can dominate the arithmetic mean of ratios; the geometric mean
+                # weighs a 2x gain and a 2x loss alike
+                "ppl128_ratio_geomean": statistics.geometric_mean(ratios) if ratios else None,
                 "needle_acc": statistics.mean(x["needle_acc"] for x in rs),
                 "native_needle_acc": statistics.mean(x["native_needle_acc"] for x in rs),
                 "speedup_by_length": {str(k): v for k, v in sorted(timed.items())},
