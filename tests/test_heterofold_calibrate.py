@@ -146,3 +146,19 @@ def test_output_pca_truncation_is_optimal_for_the_data():
     # the error left is exactly the output variance outside the kept principal directions
     out_var = torch.linalg.eigvalsh(m.weight.T @ cov @ m.weight)
     assert abs(err(pca) - float(out_var[:-4].sum())) < 0.01 * float(out_var.sum())
+
+
+def test_end_to_end_stage_resumed_after_an_epoch_matches_an_uninterrupted_run(cache, tiny_by_family):
+    from ctxrelay.heterofold.calibrate import work_dir
+
+    sender, receiver = tiny_by_family["qwen2"], tiny_by_family["llama"]
+    opts = {"method": "heterofold", "epochs": 1, "heldout_suffix": 40, "query_rows": 16, "val_every": 4,
+            "gammas": "0", "epss": "0.01", "e2e_epochs": 1, "e2e_tokens": 24}  # fmt: skip
+    calibrate(sender, receiver, TEXTS[:8], TEXTS[8:], opts)
+    resumed = calibrate(sender, receiver, TEXTS[:8], TEXTS[8:], {**opts, "e2e_epochs": 2})
+    (ckpt,) = list(work_dir().glob("*--*/e2e-*.safetensors"))
+    ckpt.unlink()  # the layer-local stage stays cached: both runs start the end-to-end stage from the same maps
+    straight = calibrate(sender, receiver, TEXTS[:8], TEXTS[8:], {**opts, "e2e_epochs": 2})
+    assert len(straight.params["train"]["e2e"]) == 2
+    kl = lambda art: [h["train_kl"] for h in art.params["train"]["e2e"]]
+    assert kl(resumed) == pytest.approx(kl(straight), rel=1e-5)

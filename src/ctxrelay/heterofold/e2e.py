@@ -97,10 +97,10 @@ def train_e2e(
         opt.load_state_dict(_unflatten_opt(t, meta["opt"]))
         start, history = meta["epoch"], meta["history"]
     rope_cache: dict = {}
-    rng = random.Random(cfg.seed + 1)
     for epoch in range(start, cfg.e2e_epochs):
         order = [i for i in range(len(pairs)) if pairs[i][1].ids.shape[0] > n + 32]
-        rng.shuffle(order)
+        # seeded per epoch: a run resumed after epoch k shuffles epoch k+1 as an uninterrupted run would
+        random.Random(cfg.seed + 1 + epoch).shuffle(order)
         total = 0.0
         bar = tqdm(order, desc=f"end-to-end epoch {epoch + 1}/{cfg.e2e_epochs}", unit="text", leave=False)
         for i in bar:
