@@ -112,7 +112,8 @@ def plot(rows: list[dict], path: Path) -> Path:
                     v = [x["ppl"]["128"] / x["native_ppl"]["128"] for x in rs if "128" in x["ppl"]]
                 else:
                     v = [x["top1_agreement"] for x in rs]
-                vals.append(statistics.mean(v) if v else float("nan"))
+                mean = statistics.geometric_mean if key == "ppl" else statistics.mean
+                vals.append(mean(v) if v else float("nan"))
             ax.bar([i + mi * width for i in range(len(dirs))], vals, width, label=m)
         ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(dirs))])
         ax.set_xticklabels([f"{short(s)}->{short(r)}" for s, r in dirs], rotation=35, ha="right", fontsize=7)
@@ -120,7 +121,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.legend(fontsize=7)
     axes[1].axhline(1.3, color="grey", ls="--", lw=0.8)
     axes[1].set_yscale("log")
-    axes[1].set_title("continuation perplexity vs native (all lengths, both datasets)")
+    axes[1].set_title("continuation perplexity vs native (geo mean: lengths, datasets)")
     axes[2].axhline(0.8, color="grey", ls="--", lw=0.8)
     axes[2].set_title("next-token top-1 agreement vs native")
     fig.tight_layout()
