@@ -6,18 +6,21 @@ import torch
 from conftest import SAMPLE_TEXT
 from ctxrelay import tensorfile
 from ctxrelay.artifact import Artifact, model_binding
-from ctxrelay.state import BindingError, ContextState, capture_state, tokenize_with_offsets
+from ctxrelay.errors import BindingError
+from ctxrelay.models.capture import capture_state
+from ctxrelay.models.tokens import tokenize_context
+from ctxrelay.state import ContextState
 
 
 @pytest.fixture(scope="module")
 def llama_state(tiny_by_family):
     m = tiny_by_family["llama"]
-    state, _ = capture_state(m, SAMPLE_TEXT, tenant="acme")
+    state = capture_state(m, SAMPLE_TEXT, tenant="acme")
     return m, state
 
 
 def test_offsets_cover_the_text(tiny):
-    ids, offsets = tokenize_with_offsets(tiny, SAMPLE_TEXT)
+    ids, offsets = tokenize_context(tiny, SAMPLE_TEXT)
     assert ids.shape[0] == offsets.shape[0]
     real = offsets[offsets[:, 1] > 0]
     assert int(real[-1, 1]) == len(SAMPLE_TEXT)
@@ -34,16 +37,16 @@ def test_capture_state_shapes(llama_state):
 
 def test_state_round_trip(tmp_path, llama_state):
     _, state = llama_state
-    state.maps = {"layer0.cols": torch.arange(6, dtype=torch.int32)}
-    state.maps_meta = {"block": 64}
+    state.set_part("maps", {"layer0.cols": torch.arange(6, dtype=torch.int32)}, {"block": 64})
     path = state.save(tmp_path / "s.safetensors")
     back = ContextState.load(path)
     assert back.text == state.text and back.binding == state.binding
     assert torch.equal(back.tokens, state.tokens) and torch.equal(back.offsets, state.offsets)
     assert torch.equal(back.keys_pre_rope, state.keys_pre_rope) and torch.equal(back.values, state.values)
-    assert torch.equal(back.maps["layer0.cols"], state.maps["layer0.cols"]) and back.maps_meta == {"block": 64}
+    assert torch.equal(back.parts["maps"]["layer0.cols"], state.parts["maps"]["layer0.cols"])
+    assert back.parts_meta == {"maps": {"block": 64}} and back.has("maps")
     assert ContextState.from_bytes(state.to_bytes()).content_hash == state.content_hash
-    state.maps, state.maps_meta = {}, {}
+    state.parts, state.parts_meta = {}, {}
 
 
 def test_corrupted_state_is_a_clear_error(tmp_path, llama_state):

@@ -6,7 +6,7 @@ import torch
 from ctxrelay import zoo
 from ctxrelay.models import runner
 from ctxrelay.models.attention import probs_attention
-from ctxrelay.state import tokenize_with_offsets
+from ctxrelay.models.tokens import tokenize_context
 
 
 def test_zoo_lists_the_four_models():
@@ -53,7 +53,7 @@ ESSAY = (
 @pytest.mark.parametrize("name", list(zoo.ZOO))
 def test_real_model_loads_scores_and_is_exact(name):
     m = zoo.load(name)
-    ids, _ = tokenize_with_offsets(m, ESSAY)
+    ids, _ = tokenize_context(m, ESSAY)
     out = runner.forward(m, ids, logits="all").logits
     ref = m.hf(ids.view(1, -1)).logits[0]
     assert (out - ref).abs().max() < 1e-3  # our runner == transformers on trained weights

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ctxrelay import tensorfile
-from ctxrelay.models.spec import LoadedModel
-from ctxrelay.state import BindingError
+from ctxrelay.errors import BindingError
+
+if TYPE_CHECKING:  # floor 1 names models only in annotations
+    from ctxrelay.models.spec import LoadedModel
 
 ARTIFACT_FORMAT = 1
 

@@ -14,20 +14,23 @@ zoo_app = typer.Typer(no_args_is_help=True, help="Offline model zoo: list and pu
 app.add_typer(zoo_app, name="zoo")
 console = Console(width=max(120, Console().width))
 
+# the pool `profile`, `graph` and `serve` run by default: every zoo model
+DEFAULT_MODELS = "qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"
+
 
 def user_errors(fn):
     """Bad input or a missing prerequisite prints one clear line, not a traceback (CTXRELAY_DEBUG=1 shows it)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from ctxrelay.eval import EvalError
+        from ctxrelay.errors import UsageError
         from ctxrelay.state import BindingError
         from ctxrelay.tensorfile import TensorFileError
         from ctxrelay.zoo import ZooError
 
         try:
             return fn(*args, **kwargs)
-        except (EvalError, BindingError, TensorFileError, ZooError, ValueError, FileNotFoundError) as e:
+        except (UsageError, BindingError, TensorFileError, ZooError, ValueError, FileNotFoundError) as e:
             if os.environ.get("CTXRELAY_DEBUG"):
                 raise
             console.print(f"[red]error:[/] {e}")
@@ -97,15 +100,6 @@ def _parse_sets(sets: list[str]) -> dict:
     return out
 
 
-def _jobs(transport: str):
-    """Each transport's calibration/benchmark glue lives in ctxrelay.eval.<transport>_jobs."""
-    import importlib
-
-    if transport not in ("native", "mapflow", "heterofold"):
-        raise ValueError(f"unknown transport {transport!r}: use native, mapflow or heterofold")
-    return importlib.import_module(f"ctxrelay.eval.{transport}_jobs")
-
-
 def _command_line() -> str:
     import shlex
     import sys
@@ -116,7 +110,7 @@ def _command_line() -> str:
 @app.command()
 @user_errors
 def calibrate(
-    transport: str = typer.Option(..., help="mapflow or heterofold"),
+    transport: str = typer.Option(..., help="the transport to calibrate: mapflow or heterofold"),
     sender: str = typer.Option(..., help="zoo name or model path"),
     receiver: str = typer.Option(..., help="zoo name or model path"),
     out: str = typer.Option("", help="artifact path (default: the artifact directory)"),
@@ -125,14 +119,11 @@ def calibrate(
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
 ) -> None:
     """Calibrate a transport for one sender -> receiver pair and save its artifact."""
+    from ctxrelay import transports
+
     set_threads(threads or None)
-    path = _jobs(transport).calibrate(
-        sender=sender,
-        receiver=receiver,
-        out=out or None,
-        resume=resume,
-        options=_parse_sets(sets),
-        command=_command_line(),
+    path = transports.get(transport).calibrate(
+        sender, receiver, out=out or None, resume=resume, options=_parse_sets(sets), command=_command_line()
     )
     console.print(f"[green]artifact written:[/] {path}")
 
@@ -140,25 +131,27 @@ def calibrate(
 @app.command()
 @user_errors
 def bench(
-    transport: str = typer.Argument("native", help="native, mapflow or heterofold"),
+    name: str = typer.Argument("native", help="native, mapflow, heterofold or heterofold-limits"),
     model: str = typer.Option("", help="native: comma-separated zoo names or 'all'"),
     sender: str = typer.Option("", help="comma-separated senders (transports)"),
     receiver: str = typer.Option("", help="comma-separated receivers (transports)"),
     lengths: str = typer.Option("512,1024,2048,4096", help="context lengths in tokens"),
     repeats: int = typer.Option(3, help="timed repeats per point (median reported)"),
-    out: str = typer.Option("", help="results name under benchmarks/results (default: the transport)"),
+    out: str = typer.Option("", help="results name under benchmarks/results (default: the benchmark's)"),
     sets: list[str] = typer.Option([], "--set", help="transport option key=value (repeatable)"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
 ) -> None:
     """Benchmark TTFT and quality against native prefill; writes benchmarks/results/NAME.json + plot."""
+    from ctxrelay.bench import bench_module
+
     set_threads(threads or None)
-    path = _jobs(transport).bench(
+    path = bench_module(name).bench(
         model=model,
         sender=sender,
         receiver=receiver,
         lengths=[int(x) for x in lengths.split(",") if x],
         repeats=repeats,
-        out=out or transport,
+        out=out or name,
         options=_parse_sets(sets),
         command=_command_line(),
     )
@@ -181,7 +174,7 @@ def demo(
     """The main job: a long essay + question read by one model, answered by three others from its state."""
     from pathlib import Path
 
-    from ctxrelay.eval.demo import DemoConfig, run_demo
+    from ctxrelay.bench.demo import DemoConfig, run_demo
 
     n = set_threads(threads or None)
     console.print(f"torch threads: {n}")
@@ -200,20 +193,21 @@ def demo(
 @app.command()
 @user_errors
 def profile(
-    models: str = typer.Option("qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
+    models: str = typer.Option(DEFAULT_MODELS),
     lengths: str = typer.Option("256,512,1024,2048", help="context lengths in tokens"),
     repeats: int = typer.Option(2, help="timed repeats per point (median)"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
 ) -> None:
     """Measure native prefill and every edge's transport cost on this machine; refit the cost model."""
-    from ctxrelay.eval.demo import text_for
-    from ctxrelay.relay.api import ModelPool, default_profile_path
+    from ctxrelay import paths
+    from ctxrelay.bench.demo import text_for
+    from ctxrelay.relay.api import ModelPool
     from ctxrelay.relay.graph import Profile
     from ctxrelay.relay.profile import profile_pool
 
     n = set_threads(threads or None)
     pool = ModelPool([m for m in models.split(",") if m], profile=Profile())
-    pool.profile_path = default_profile_path()
+    pool.profile_path = paths.profile_path()
     prof = profile_pool(pool, text_for, [int(x) for x in lengths.split(",")], repeats=repeats)
     prof.machine = {"torch_threads": n, "cores": os.cpu_count()}
     prof.save(pool.profile_path)
@@ -224,7 +218,7 @@ def profile(
 @app.command()
 @user_errors
 def graph(
-    models: str = typer.Option("qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
+    models: str = typer.Option(DEFAULT_MODELS),
     tokens: int = typer.Option(2048, help="context length for the predicted costs"),
     plot: str = typer.Option("", help="also draw the graph to this PNG"),
 ) -> None:
@@ -243,7 +237,7 @@ def graph(
 @app.command()
 @user_errors
 def serve(
-    models: str = typer.Option("qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
+    models: str = typer.Option(DEFAULT_MODELS),
     store: str = typer.Option("memory", help="memory[:SIZE] | disk:PATH | redis://HOST:PORT/DB, joined by '+'"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8321),

@@ -9,20 +9,19 @@ decide who may use it: the sender's exact weights and tokenizer, and the tenant 
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ctxrelay import tensorfile
-from ctxrelay.models.spec import LoadedModel
+from ctxrelay.errors import BindingError
 
-STATE_FORMAT = 1
+if TYPE_CHECKING:  # floor 1 names models only in annotations
+    from ctxrelay.models.spec import LoadedModel
 
-
-class BindingError(PermissionError):
-    """A state or artifact was offered to a model, tokenizer or tenant it is not bound to."""
+STATE_FORMAT = 2  # 2: transport parts by name (1 had one hard-wired "maps" part; still read)
 
 
 @dataclass
@@ -45,8 +44,9 @@ class ContextState:
     binding: Binding
     keys_pre_rope: torch.Tensor | None = None  # [L, T, Hkv, d], before k-norm and RoPE
     values: torch.Tensor | None = None  # [L, T, Hkv, d]
-    maps: dict[str, torch.Tensor] = field(default_factory=dict)  # compressed maps (mapflow layout)
-    maps_meta: dict = field(default_factory=dict)
+    # what a transport's capture added, by part name (e.g. mapflow's "maps"): tensors and their metadata
+    parts: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    parts_meta: dict[str, dict] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
 
     @property
@@ -57,11 +57,20 @@ class ContextState:
     def content_hash(self) -> str:
         return content_hash(self.text)
 
-    def has(self, what: str) -> bool:
-        return {"kv": self.keys_pre_rope is not None and self.values is not None, "maps": bool(self.maps)}[what]
+    def has(self, part: str) -> bool:
+        """"kv" (pre-RoPE keys and values) or the name of a transport's part."""
+        if part == "kv":
+            return self.keys_pre_rope is not None and self.values is not None
+        return bool(self.parts.get(part))
+
+    def set_part(self, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        if not name or "." in name or name == "kv":
+            raise ValueError(f"a state part needs a plain name without '.', not {name!r}")
+        self.parts[name], self.parts_meta[name] = tensors, meta
 
     def nbytes(self) -> int:
-        ts = [self.tokens, self.offsets, self.keys_pre_rope, self.values, *self.maps.values()]
+        ts = [self.tokens, self.offsets, self.keys_pre_rope, self.values]
+        ts += [t for part in self.parts.values() for t in part.values()]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def check(self, m: LoadedModel | None = None, tenant: str | None = None) -> None:
@@ -86,24 +95,33 @@ class ContextState:
             tensors["keys_pre_rope"] = self.keys_pre_rope
         if self.values is not None:
             tensors["values"] = self.values
-        tensors.update({f"maps.{k}": v for k, v in self.maps.items()})
+        for name, part in self.parts.items():
+            tensors.update({f"{name}.{k}": v for k, v in part.items()})
         manifest = {
             "kind": "context_state",
             "format": STATE_FORMAT,
             "text": self.text,
             "binding": vars(self.binding),
-            "maps_meta": self.maps_meta,
+            "parts": sorted(self.parts),
+            "parts_meta": self.parts_meta,
             "meta": self.meta,
         }
         return tensors, manifest
 
     @staticmethod
     def from_tensors(tensors: dict[str, torch.Tensor], manifest: dict, what: str = "state") -> ContextState:
-        if manifest.get("kind") != "context_state" or manifest.get("format") != STATE_FORMAT:
+        fmt = manifest.get("format")
+        if manifest.get("kind") != "context_state" or fmt not in (1, STATE_FORMAT):
             raise tensorfile.TensorFileError(
                 f"{what} is not a ctxrelay context state (format {STATE_FORMAT}); "
-                f"it says kind={manifest.get('kind')!r} format={manifest.get('format')!r}"
+                f"it says kind={manifest.get('kind')!r} format={fmt!r}"
             )
+        if fmt == 1:  # one "maps" part, its metadata under maps_meta
+            names, parts_meta = ["maps"], {"maps": manifest.get("maps_meta", {})}
+        else:
+            names, parts_meta = list(manifest.get("parts", [])), dict(manifest.get("parts_meta", {}))
+        parts = {n: {k[len(n) + 1 :]: v for k, v in tensors.items() if k.startswith(n + ".")} for n in names}
+        parts = {n: p for n, p in parts.items() if p}
         return ContextState(
             text=manifest["text"],
             tokens=tensors["tokens"],
@@ -111,8 +129,8 @@ class ContextState:
             binding=Binding(**manifest["binding"]),
             keys_pre_rope=tensors.get("keys_pre_rope"),
             values=tensors.get("values"),
-            maps={k[5:]: v for k, v in tensors.items() if k.startswith("maps.")},
-            maps_meta=manifest.get("maps_meta", {}),
+            parts=parts,
+            parts_meta={n: parts_meta.get(n, {}) for n in parts},
             meta=manifest.get("meta", {}),
         )
 
@@ -133,42 +151,3 @@ class ContextState:
 
 def content_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def tokenize_with_offsets(m: LoadedModel, text: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids as the model's tokenizer gives them (special tokens included) and char spans.
-
-    Added special tokens (BOS) get the empty span (0, 0).
-    """
-    enc = m.tokenizer(text, return_offsets_mapping=True, add_special_tokens=True)
-    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
-    offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).view(-1, 2)
-    return ids, offsets
-
-
-def capture_state(
-    m: LoadedModel, text: str, tenant: str, *, kv: bool = True, capture=None, meta: dict | None = None
-) -> tuple[ContextState, object]:
-    """Native sender prefill of `text` that records what transports need.
-
-    `capture` (a runner.Capture) may carry an attention-probability callback (mapflow's
-    compressor); kv=True records pre-RoPE keys and values. Returns the state and the forward output.
-    """
-    from ctxrelay.models import runner
-
-    ids, offsets = tokenize_with_offsets(m, text)
-    cap = capture or runner.Capture()
-    cap.keys_pre_rope = cap.keys_pre_rope or kv
-    cap.values = cap.values or kv
-    t0 = time.perf_counter()
-    out = runner.forward(m, ids, capture=cap)
-    state = ContextState(
-        text=text,
-        tokens=ids,
-        offsets=offsets,
-        binding=Binding.of(m, tenant),
-        keys_pre_rope=torch.stack(cap.keys) if kv else None,
-        values=torch.stack(cap.vals) if kv else None,
-        meta={"sender": m.spec.name, "prefill_s": time.perf_counter() - t0, **(meta or {})},
-    )
-    return state, out

@@ -16,10 +16,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
+from ctxrelay.errors import CtxrelayError
+
 MANIFEST_KEY = "ctxrelay"
 
 
-class TensorFileError(ValueError):
+class TensorFileError(CtxrelayError, ValueError):
     pass
 
 

@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ctxrelay.errors import CtxrelayError
 from ctxrelay.models.spec import LoadedModel, hash_state_dict, wrap
+from ctxrelay.paths import cache_dir
 
 CONVERSION_VERSION = 1  # bump when the conversion changes what lands in the cache
 
@@ -89,12 +91,8 @@ ZOO: dict[str, ZooEntry] = {
 }
 
 
-class ZooError(RuntimeError):
-    pass
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CTXRELAY_CACHE", Path.home() / ".cache" / "ctxrelay"))
+class ZooError(CtxrelayError, RuntimeError):
+    """A zoo model cannot be installed, assembled, verified or loaded (the message says why)."""
 
 
 def model_dir(name: str) -> Path:

@@ -24,20 +24,33 @@ class AttnCall:
     scale: float
     window: int | None  # sliding window (keys with q_pos - k_pos < window are visible)
     softcap: float | None
+    positions: torch.Tensor | None = None  # [T] absolute query positions when not q_start.. in a row
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        if self.positions is not None:
+            return self.positions
+        return torch.arange(self.q_start, self.q_start + self.q.shape[2], device=self.q.device)
 
 
 AttnFn = Callable[[AttnCall], torch.Tensor]
 ProbsCallback = Callable[[int, int, torch.Tensor], None]  # (layer, first query row, probs [H, rows, S])
 
 
+def positions_mask(qpos: torch.Tensor, s: int, window: int | None) -> torch.Tensor:
+    """Boolean [len(qpos), s]: True where the query at position qpos[i] may attend the key at j
+    (causal by position, and inside the sliding window where the layer has one)."""
+    q = qpos.view(-1, 1)
+    kpos = torch.arange(s, device=qpos.device)[None, :]
+    mask = kpos <= q
+    if window is not None:
+        mask &= kpos > q - window
+    return mask
+
+
 def visibility_mask(q_start: int, t: int, s: int, window: int | None, device=None) -> torch.Tensor:
     """Boolean [t, s]: True where query i (at q_start + i) may attend key j."""
-    qpos = torch.arange(q_start, q_start + t, device=device)[:, None]
-    kpos = torch.arange(s, device=device)[None, :]
-    mask = kpos <= qpos
-    if window is not None:
-        mask &= kpos > qpos - window
-    return mask
+    return positions_mask(torch.arange(q_start, q_start + t, device=device), s, window)
 
 
 def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -52,9 +65,9 @@ def native_attention(c: AttnCall) -> torch.Tensor:
         return eager_attention(c)
     t, s = c.q.shape[2], c.k.shape[2]
     gqa = c.q.shape[1] != c.k.shape[1]
-    if c.q_start == 0 and c.window is None and t == s:
+    if c.positions is None and c.q_start == 0 and c.window is None and t == s:
         return F.scaled_dot_product_attention(c.q, c.k, c.v, is_causal=True, scale=c.scale, enable_gqa=gqa)
-    mask = visibility_mask(c.q_start, t, s, c.window, c.q.device)
+    mask = positions_mask(c.query_positions, s, c.window)
     return F.scaled_dot_product_attention(c.q, c.k, c.v, attn_mask=mask, scale=c.scale, enable_gqa=gqa)
 
 
@@ -65,8 +78,8 @@ def attention_logits(c: AttnCall, rows: slice | None = None) -> torch.Tensor:
     scores = (q @ k.transpose(-1, -2)) * c.scale
     if c.softcap is not None:
         scores = torch.tanh(scores / c.softcap) * c.softcap
-    r0 = 0 if rows is None else rows.start
-    mask = visibility_mask(c.q_start + r0, q.shape[1], k.shape[1], c.window, q.device)
+    qpos = c.query_positions if rows is None else c.query_positions[rows]
+    mask = positions_mask(qpos, k.shape[1], c.window)
     return scores.masked_fill(~mask, float("-inf"))
 
 

@@ -22,27 +22,69 @@ from ctxrelay.models.attention import AttnCall, AttnFn, ProbsCallback, eager_att
 from ctxrelay.models.spec import LoadedModel
 
 
-@dataclass
 class KVCache:
-    keys: list[torch.Tensor]  # per layer [1, Hkv, S, d], post k-norm + RoPE
-    values: list[torch.Tensor]  # per layer [1, Hkv, S, d]
+    """Per-layer key/value buffers [1, Hkv, capacity, d], written by position (cf. gpt-fast's KVCache).
 
-    @property
-    def length(self) -> int:
-        return 0 if not self.keys else self.keys[0].shape[2]
+    `length` is one past the last position held; `keys[i]` / `values[i]` are views of positions
+    0..length-1 (post k-norm and RoPE). Writes go to explicit positions, so a transport can overwrite
+    scattered entries in place (selective recompute). Capacity grows in blocks by half again when a
+    write goes past it: decoding copies the cache a few times per thousand tokens, not once per token.
+    """
+
+    BLOCK = 256
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int | None = None):
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} key layers but {len(values)} value layers")
+        self._k, self._v = list(keys), list(values)
+        self.length = (keys[0].shape[2] if keys else 0) if length is None else length
+        self.reallocations = 0  # times the buffers grew (a test watches this)
 
     @staticmethod
-    def empty(m: LoadedModel) -> KVCache:
+    def empty(m: LoadedModel, capacity: int = 0) -> KVCache:
         s = m.spec
-        z = torch.zeros(1, s.num_kv_heads, 0, s.head_dim, dtype=m.dtype, device=m.device)
-        return KVCache([z] * s.num_layers, [z] * s.num_layers)
+        shape = (1, s.num_kv_heads, capacity, s.head_dim)
+        make = lambda: torch.zeros(shape, dtype=m.dtype, device=m.device)
+        return KVCache([make() for _ in range(s.num_layers)], [make() for _ in range(s.num_layers)], 0)
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer].shape[2]:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
+    @property
+    def capacity(self) -> int:
+        return self._k[0].shape[2] if self._k else 0
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return [k[:, :, : self.length] for k in self._k]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [v[:, :, : self.length] for v in self._v]
+
+    def reserve(self, n: int) -> None:
+        """Make room for positions 0..n-1 (keeps what is held; grows by at least half the capacity)."""
+        if n <= self.capacity:
+            return
+        cap = max(n, self.capacity + max(self.BLOCK, self.capacity // 2))
+        cap = -(-cap // self.BLOCK) * self.BLOCK
+        for bufs in (self._k, self._v):
+            for i, old in enumerate(bufs):
+                new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
+                new[:, :, : self.length] = old[:, :, : self.length]
+                bufs[i] = new
+        self.reallocations += 1
+
+    def write(self, layer: int, where: slice | torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        """Write k / v [1, Hkv, T, d] at positions `where` (a slice or [T] indices) of `layer`."""
+        for buf, x in ((self._k[layer], k), (self._v[layer], v)):
+            if x is None:
+                continue
+            if isinstance(where, slice):
+                buf[:, :, where] = x
+            else:
+                buf.index_copy_(2, where, x)
+
+    def view(self, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.length if length is None else length
+        return self._k[layer][:, :, :n], self._v[layer][:, :, :n]
 
     def clone(self) -> KVCache:
         return KVCache([k.clone() for k in self.keys], [v.clone() for v in self.values])
@@ -131,9 +173,9 @@ def project_v(m: LoadedModel, i: int, x: torch.Tensor) -> torch.Tensor:
     return _heads(layers(m)[i].self_attn.v_proj(x), m.spec.head_dim)
 
 
-def attn_call(m: LoadedModel, i: int, q, k, v, q_start: int) -> AttnCall:
+def attn_call(m: LoadedModel, i: int, q, k, v, q_start: int, positions: torch.Tensor | None = None) -> AttnCall:
     s = m.spec
-    return AttnCall(i, q, k, v, q_start, s.attn_scale, s.sliding_windows[i], s.softcap)
+    return AttnCall(i, q, k, v, q_start, s.attn_scale, s.sliding_windows[i], s.softcap, positions)
 
 
 def layer_output(m: LoadedModel, i: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -159,25 +201,52 @@ def head(m: LoadedModel, h: torch.Tensor, which: Literal["last", "all"]) -> torc
 # ---- the loop ---------------------------------------------------------------------------------
 
 
+def _where(cache: KVCache, t: int, positions: torch.Tensor | None) -> tuple[slice | torch.Tensor, int]:
+    """Where `t` new tokens go (appended, or at explicit positions) and the cache length after them."""
+    if positions is None:
+        return slice(cache.length, cache.length + t), cache.length + t
+    pos = torch.as_tensor(positions, dtype=torch.long).view(-1)
+    if pos.numel() != t:
+        raise ValueError(f"{t} tokens but {pos.numel()} positions")
+    if t and int(pos.min()) < 0:
+        raise ValueError("positions must be >= 0")
+    if pos.unique().numel() != t:
+        raise ValueError("positions must be distinct")
+    new = pos[pos >= cache.length].sort().values
+    end = cache.length + new.numel()
+    if new.numel() and not torch.equal(new, torch.arange(cache.length, end)):
+        raise ValueError(f"positions past the cache's {cache.length} entries must continue it without a gap")
+    return pos.to(cache._k[0].device if cache._k else "cpu"), end
+
+
 @torch.inference_mode()
 def forward(
     m: LoadedModel,
     ids: torch.Tensor,
     cache: KVCache | None = None,
     *,
+    positions: torch.Tensor | None = None,
     attention: Mapping[int, AttnFn] | None = None,
     capture: Capture | None = None,
     logits: Literal["last", "all", "none"] = "last",
 ) -> ForwardOut:
     """Run `ids` ([T] or [1, T]) after whatever `cache` holds; returns logits and the grown cache.
 
+    `positions` ([T], optional) places the tokens at explicit, possibly scattered positions: their
+    K/V are written there (over what the cache held) and each query attends by position, causally,
+    to the whole cache (sliding windows by position too). Default: appended after the cache.
     `attention` replaces the attention of chosen layers; `capture` records sender state.
     """
     ids = ids.view(1, -1).to(m.device)
     cache = cache if cache is not None else KVCache.empty(m)
-    start = cache.length
+    t = ids.shape[1]
+    where, end = _where(cache, t, positions)
+    start = where.start if isinstance(where, slice) else int(where[0]) if t else cache.length
+    qpos = None if isinstance(where, slice) else where
+    cache.reserve(end)
     h = embed(m, ids)
-    rope = rope_tables(m, torch.arange(start, start + ids.shape[1], device=m.device), h)
+    rope_pos = torch.arange(start, start + t, device=m.device) if qpos is None else qpos
+    rope = rope_tables(m, rope_pos, h)
     attention = attention or {}
     for i in range(m.spec.num_layers):
         x = attn_input(m, i, h)
@@ -188,8 +257,9 @@ def forward(
                 capture.keys.append(k_raw[0].transpose(0, 1).clone())
             if capture.values:
                 capture.vals.append(v[0].transpose(0, 1).clone())
-        k_all, v_all = cache.append(i, finish_keys(m, i, k_raw, rope), v)
-        call = attn_call(m, i, q, k_all, v_all, start)
+        cache.write(i, where, finish_keys(m, i, k_raw, rope), v)
+        k_all, v_all = cache.view(i, end)
+        call = attn_call(m, i, q, k_all, v_all, start, qpos)
         if i in attention:
             out = attention[i](call)
         elif (
@@ -201,6 +271,7 @@ def forward(
         else:
             out = native_attention(call)
         h = layer_output(m, i, h, out)
+    cache.length = end
     out_logits = None if logits == "none" else head(m, h, logits)
     return ForwardOut(out_logits, cache)
 
@@ -270,6 +341,7 @@ def decode(
     """Decode from next-token `logits` [V] over `cache`; times are measured from `t0` (request start)."""
     gen = torch.Generator().manual_seed(seed)
     eos = _eos_ids(m)
+    cache.reserve(cache.length + max_new_tokens)  # one allocation for the whole decode
     tokens: list[int] = []
     ttft = 0.0
     step_logits = logits.view(-1)

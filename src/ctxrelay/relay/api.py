@@ -12,7 +12,6 @@ Only another tenant's state is refused outright (BindingError), since reading it
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,39 +19,27 @@ from pathlib import Path
 
 import torch
 
-from ctxrelay import zoo
+from ctxrelay import paths, transports, zoo
 from ctxrelay.artifact import Artifact
+from ctxrelay.errors import BindingError, CtxrelayError
 from ctxrelay.models import runner
+from ctxrelay.models.capture import capture_state
 from ctxrelay.models.spec import LoadedModel
-from ctxrelay.relay.gate import MIN_SPEEDUP, NEEDS, Decision, decide
+from ctxrelay.models.tokens import context_ids, suffix_ids
+from ctxrelay.relay.gate import MIN_SPEEDUP, Decision, decide
 from ctxrelay.relay.graph import Profile, TransportGraph
 from ctxrelay.relay.store import StateKey, StateStore, StoreUnavailable, open_store
-from ctxrelay.state import Binding, BindingError, ContextState, content_hash, tokenize_with_offsets
-from ctxrelay.transport import RelayOutput
+from ctxrelay.state import ContextState, content_hash
+from ctxrelay.transports import RelayOutput
 
 log = logging.getLogger("ctxrelay.relay")
 
-MAP_MODES = ("replace", "guided", "hybrid")  # mapflow modes that read the sender's maps
-PACKAGED_ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 
-
-def default_artifact_dirs() -> list[Path]:
-    return [PACKAGED_ARTIFACTS, zoo.cache_dir() / "artifacts"]
-
-
-def default_profile_path() -> Path:
-    return zoo.cache_dir() / "profile.json"
-
-
-def transport_module(name: str):
-    return importlib.import_module(f"ctxrelay.{name}")
-
-
-@dataclass
+@dataclass(kw_only=True)
 class RelayResult:
     text: str
     tokens: list[int]
-    transport: str  # what actually ran: native | self | mapflow | heterofold
+    transport: str  # what actually ran: native or the transport's name
     reason: str
     ttft_s: float  # request start -> first token chosen, everything included
     total_s: float
@@ -81,9 +68,9 @@ class ModelPool:
     ):
         self.models: dict[str, LoadedModel] = {}
         self.store = open_store(store) if isinstance(store, str) else store
-        self.artifact_dirs = artifact_dirs if artifact_dirs is not None else default_artifact_dirs()
+        self.artifact_dirs = artifact_dirs if artifact_dirs is not None else paths.artifact_dirs()
         if profile is None or isinstance(profile, Path):
-            self.profile_path = profile or default_profile_path()
+            self.profile_path = profile or paths.profile_path()
             self.profile = Profile.load(self.profile_path)
         else:
             self.profile_path, self.profile = None, profile
@@ -111,8 +98,6 @@ class ModelPool:
         if self._graph is None:
             models = list(self.models.values())
             self._graph = TransportGraph.build(models, self.artifact_dirs, self.profile, self.artifact)
-            for t in {e.transport for e in self._graph.edges}:  # import now, not inside a request's TTFT
-                transport_module(t)
         return self._graph
 
     def refresh(self, profile: Profile | None = None) -> None:
@@ -130,33 +115,11 @@ class ModelPool:
     def prefill(self, sender: str, text: str, tenant: str, *, store: bool = True) -> ContextState:
         """The sender reads `text` natively and leaves a ContextState with what its edges need."""
         m = self.model(sender)
-        edges = self.graph.edges_from(m.spec.weights_hash)
-        needs = {NEEDS[e.transport] for e in edges if e.transport in NEEDS}
-        needs.add("kv")  # K/V serve the sender itself (exact continuation) and heterofold edges
-        cap, compressor = runner.Capture(keys_pre_rope=True, values=True), None
-        t0 = time.perf_counter()
-        if "maps" in needs:  # one capture serves every mapflow edge: highest p, union of the layers read
-            mf = [e.params for e in edges if e.transport == "mapflow"]
-            block = int(mf[0].get("block", 64))
-            top_p = max(float(p.get("capture_p", p.get("top_p", 0.9))) for p in mf)
-            layers = sorted(
-                {int(s) for p in mf for s, mode in zip(p["mapping"], p["modes"], strict=True) if mode in MAP_MODES}
-            )
-            compressor = transport_module("mapflow").make_map_capture(m, top_p=top_p, block=block, layers=layers)
-            cap.on_probs, cap.prob_chunk, cap.prob_layers = compressor.on_probs, block, set(layers)
-        ids, offsets = tokenize_with_offsets(m, text)
-        runner.forward(m, ids, capture=cap, logits="none")
-        state = ContextState(
-            text=text,
-            tokens=ids,
-            offsets=offsets,
-            binding=Binding.of(m, tenant),
-            keys_pre_rope=torch.stack(cap.keys),
-            values=torch.stack(cap.vals),
-            meta={"sender": m.spec.name, "prefill_s": time.perf_counter() - t0},
-        )
-        if compressor is not None:
-            state.maps, state.maps_meta = compressor.result()
+        by_transport: dict[str, list[dict]] = {}
+        for e in self.graph.edges_from(m.spec.weights_hash):
+            by_transport.setdefault(e.transport, []).append(e.params)
+        plans = [transports.get(t).capture_plan(m, params) for t, params in by_transport.items()]
+        state = capture_state(m, text, tenant, plans)  # K/V always: the sender itself continues from them
         if store:
             try:
                 self.store.put(state)
@@ -185,16 +148,16 @@ class ModelPool:
         timings: dict[str, float] = {}
         state, text, why_not = self._resolve(context, tenant, sender, timings)
         tg = time.perf_counter()
-        suffix_ids = torch.tensor(r.tokenizer(suffix, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        suffix = suffix_ids(r, suffix)
         if state is None:
             timings["gate_s"] = time.perf_counter() - tg
-            return self._native(r, text, suffix_ids, t0, timings, why_not, max_new_tokens, temperature)
-        n_ctx = len(r.tokenizer(text, add_special_tokens=True)["input_ids"])
+            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature)
+        n_ctx = len(context_ids(r, text))
         d = decide(
             self.graph,
             state,
             r.spec.weights_hash,
-            n_ctx + len(suffix_ids),
+            n_ctx + len(suffix),
             requested=transport,
             quality_threshold=self.quality_threshold if quality_threshold is None else quality_threshold,
             overhead_s=self.overhead_s,
@@ -202,27 +165,36 @@ class ModelPool:
         )
         timings["gate_s"] = time.perf_counter() - tg
         if d.transport == "native":
-            return self._native(r, text, suffix_ids, t0, timings, d.reason, max_new_tokens, temperature, d)
+            return self._native(r, text, suffix, t0, timings, d.reason, max_new_tokens, temperature, d)
         try:
-            out = self._relay(d, state, r, suffix_ids)
-        except (BindingError, ValueError, RuntimeError) as e:  # never a wrong answer: fall back
+            out = self._relay(d, state, r, suffix)
+        except (CtxrelayError, ValueError, RuntimeError) as e:  # never a wrong answer: fall back
             reason = f"{d.transport} failed ({e}); native prefill instead"
             log.warning(reason)
-            return self._native(r, text, suffix_ids, t0, timings, reason, max_new_tokens, temperature, d)
+            return self._native(r, text, suffix, t0, timings, reason, max_new_tokens, temperature, d)
         tf = time.perf_counter()
         gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature)
         timings.update(out.timings)
         timings["first_token_s"] = timings.get("first_token_s", 0.0) + (gen.ttft_s - (tf - t0))
         return RelayResult(
-            gen.text, gen.tokens, d.transport, d.reason, gen.ttft_s, gen.total_s,
-            out.cache.length - len(suffix_ids), timings, d.as_dict(), out.info, out.logits[-1],
-        )  # fmt: skip
+            text=gen.text,
+            tokens=gen.tokens,
+            transport=d.transport,
+            reason=d.reason,
+            ttft_s=gen.ttft_s,
+            total_s=gen.total_s,
+            context_tokens=out.cache.length - len(suffix),
+            timings=timings,
+            decision=d.as_dict(),
+            info=out.info,
+            first_logits=out.logits[-1],
+        )
 
     def native(self, receiver: str, text: str, suffix: str = "", **kw) -> RelayResult:
         """The reference: the receiver prefills context + suffix itself."""
         r = self.model(receiver)
-        suffix_ids = torch.tensor(r.tokenizer(suffix, add_special_tokens=False)["input_ids"], dtype=torch.long)
-        return self._native(r, text, suffix_ids, time.perf_counter(), {}, "native prefill requested", **kw)
+        ids = suffix_ids(r, suffix)
+        return self._native(r, text, ids, time.perf_counter(), {}, "native prefill requested", **kw)
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -247,23 +219,17 @@ class ModelPool:
             return None, text, f"no stored state of this context from {sender} for tenant {tenant!r}"
         return state, text, ""
 
-    def _relay(self, d: Decision, state: ContextState, r: LoadedModel, suffix_ids: torch.Tensor) -> RelayOutput:
-        if d.transport == "self":  # exact: the sender's own K/V; the last context token runs if no suffix
-            t = time.perf_counter()
-            keep = state.num_tokens if len(suffix_ids) else state.num_tokens - 1
-            cache = runner.cache_from_pre_rope(r, state.keys_pre_rope[:, :keep], state.values[:, :keep])
-            ta = time.perf_counter()
-            out = runner.forward(r, suffix_ids if len(suffix_ids) else state.tokens[keep:], cache)
-            return RelayOutput(out.cache, out.logits, {"assemble_s": ta - t, "first_token_s": time.perf_counter() - ta})
-        art = self.artifact(d.edge.artifact_path)  # read once, when the graph was built
-        return transport_module(d.transport).relay_prefill(r, state, art, suffix_ids)
+    def _relay(self, d: Decision, state: ContextState, r: LoadedModel, suffix: torch.Tensor) -> RelayOutput:
+        path = d.edge.artifact_path
+        art = self.artifact(path) if path is not None else None  # read once, when the graph was built
+        return transports.get(d.transport).relay_prefill(r, state, art, suffix)
 
     def _native(
-        self, r, text, suffix_ids, t0, timings, reason, max_new_tokens=32, temperature=0.0, d: Decision | None = None
+        self, r, text, suffix, t0, timings, reason, max_new_tokens=32, temperature=0.0, d: Decision | None = None
     ) -> RelayResult:
         tp = time.perf_counter()
-        ids, _ = tokenize_with_offsets(r, text)
-        out = runner.forward(r, torch.cat([ids, suffix_ids]))
+        ids = context_ids(r, text)
+        out = runner.forward(r, torch.cat([ids, suffix]))
         timings["prefill_s"] = time.perf_counter() - tp
         tf = time.perf_counter()
         gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature)
@@ -271,6 +237,14 @@ class ModelPool:
         decision = d.as_dict() if d else {"transport": "native", "reason": reason}
         decision["reason"] = reason
         return RelayResult(
-            gen.text, gen.tokens, "native", reason, gen.ttft_s, gen.total_s, len(ids), timings, decision, {},
-            out.logits[-1],
-        )  # fmt: skip
+            text=gen.text,
+            tokens=gen.tokens,
+            transport="native",
+            reason=reason,
+            ttft_s=gen.ttft_s,
+            total_s=gen.total_s,
+            context_tokens=len(ids),
+            timings=timings,
+            decision=decision,
+            first_logits=out.logits[-1],
+        )

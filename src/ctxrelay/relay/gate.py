@@ -4,8 +4,10 @@ A candidate edge must (1) be calibrated for exactly this sender and receiver ver
 the state what its transport needs and bound to the same sender, (3) have calibrated quality at or
 above the operator's threshold and (4) have a predicted TTFT (plus overhead) at least `min_speedup`
 times below the receiver's predicted native prefill (the margin covers the cost model's error: a
-predicted 1% gain measured as a 5% loss in the demo). The cheapest survivor wins. Every decision
-carries its reason.
+predicted 1% gain measured as a 5% loss in the demo). The cheapest survivor wins. An exact
+transport (a model continuing from its own K/V) reproduces native prefill and skips it, so it needs
+no quality or cost check. Every decision carries its reason. The gate knows transports only
+through the registry (what each one reads from a state, whether it is exact).
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from ctxrelay import transports
+from ctxrelay.errors import UsageError
 from ctxrelay.relay.graph import Edge, TransportGraph
 from ctxrelay.state import ContextState
 
 log = logging.getLogger("ctxrelay.relay")
 
-NEEDS = {"mapflow": "maps", "heterofold": "kv"}  # what each transport reads from a ContextState
-TRANSPORTS = ("auto", "native", "self", *NEEDS)
 MIN_SPEEDUP = 1.10  # predicted native / relay TTFT an edge must reach to be chosen over native
 
 
@@ -43,6 +45,11 @@ class Decision:
         }
 
 
+def requestable() -> list[str]:
+    """What a request may name as its transport."""
+    return ["auto", "native", *transports.names()]
+
+
 def _unusable(edge: Edge, state: ContextState, receiver_hash: str) -> str | None:
     """Why this edge cannot serve this state at all (binding or content), or None."""
     b = state.binding
@@ -50,9 +57,7 @@ def _unusable(edge: Edge, state: ContextState, receiver_hash: str) -> str | None
         return f"artifact is bound to sender {edge.sender['name']}, state came from {b.model_name} (hash mismatch)"
     if edge.receiver["weights_hash"] != receiver_hash:
         return f"artifact is bound to another version of receiver {edge.receiver['name']}"
-    need = NEEDS.get(edge.transport)
-    if need is None:
-        return f"unknown transport {edge.transport!r}"
+    need = transports.get(edge.transport).needs
     if not state.has(need):
         return f"state holds no {need} (sender prefill did not capture them)"
     return None
@@ -69,20 +74,13 @@ def decide(
     overhead_s: float = 0.0,
     min_speedup: float = MIN_SPEEDUP,
 ) -> Decision:
-    if requested not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {requested!r}")
+    if requested not in requestable():
+        raise UsageError(f"transport must be one of {', '.join(requestable())}, not {requested!r}")
     receiver = graph.nodes.get(receiver_hash)
     native_s = receiver.native_cost.total(n_tokens) if receiver and receiver.native_cost else None
     d = Decision("native", "", predicted_native_s=native_s)
     if requested == "native":
         d.reason = "native prefill requested"
-        return _logged(d)
-    same_model = receiver is not None and state.binding.tokenizer_hash == receiver.tokenizer_hash
-    if state.binding.weights_hash == receiver_hash and same_model:
-        if state.has("kv"):
-            d.transport, d.reason = "self", "receiver is the sender: its own K/V are reused exactly (no prefill)"
-        else:
-            d.reason = "receiver is the sender but the state holds no K/V"
         return _logged(d)
     edges = graph.edges_between(state.binding.weights_hash, receiver_hash)
     if requested != "auto":
@@ -95,12 +93,12 @@ def decide(
     best: tuple[float, Edge] | None = None
     for e in edges:
         why = _unusable(e, state, receiver_hash)
-        if why is None and requested == "auto":
+        if why is None and requested == "auto" and not e.exact:
             why = _not_worth_it(e, n_tokens, native_s, quality_threshold, overhead_s, min_speedup)
         if why is not None:
             d.rejected.append(f"{e.label}: {why}")
             continue
-        cost = e.cost.total(n_tokens) + overhead_s if e.cost else float("inf")
+        cost = e.cost.total(n_tokens) + overhead_s if e.cost else (0.0 if e.exact else float("inf"))
         if best is None or cost < best[0]:
             best = (cost, e)
     if best is None:
@@ -108,9 +106,11 @@ def decide(
         return _logged(d)
     cost, edge = best
     d.transport, d.edge = edge.transport, edge
-    d.predicted_relay_s = cost if cost != float("inf") else None
+    d.predicted_relay_s = cost if edge.cost is not None else None
     q = edge.quality.get("top1_agreement")
-    if requested == "auto":
+    if edge.exact:
+        d.reason = f"{edge.transport}: exact (reproduces the receiver's native prefill) and skips the context prefill"
+    elif requested == "auto":
         d.reason = (
             f"{edge.transport} predicted {cost:.2f} s vs native {native_s:.2f} s "
             f"({native_s / cost:.1f}x) with calibrated top-1 agreement {q:.2f} >= {quality_threshold:.2f}"

@@ -1,9 +1,10 @@
 """The transport graph: model versions as nodes, calibrated transports as edges, each with a cost model.
 
 Nodes are identified by weights hash (a model version), edges by (transport, sender hash, receiver
-hash) and carry the artifact's measured quality. Costs are fitted per component to measurements on
-this machine (`ctxrelay profile`): t(n) = c0 + c1*n + c2*n^2 with non-negative coefficients, so a
-prediction never goes below the fixed overhead and stays monotone in context length.
+hash) and carry the artifact's measured quality. Edges come from artifacts on disk and from
+transports that serve a pair without one (a model continuing from its own K/V). Costs are fitted
+per component to measurements on this machine (`ctxrelay profile`): t(n) = c0 + c1*n + c2*n^2 with
+non-negative coefficients, so a prediction never goes below the fixed overhead and stays monotone in context length.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
-from ctxrelay.artifact import Artifact
+from ctxrelay import transports
+from ctxrelay.artifact import Artifact, model_binding
+from ctxrelay.errors import UsageError
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.tensorfile import TensorFileError
 
@@ -70,10 +73,11 @@ class Edge:
     transport: str
     sender: dict  # artifact's binding of the sender: name, weights_hash, tokenizer_hash
     receiver: dict
-    artifact_path: Path
+    artifact_path: Path | None  # None: the transport serves this pair without an artifact
     quality: dict
     params: dict
     cost: CostModel | None = None
+    exact: bool = False  # the transport reproduces native prefill (no quality or cost gate)
 
     @property
     def key(self) -> str:
@@ -108,7 +112,7 @@ class Profile:
                 d.get("machine", {}),
             )
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"cost profile {path} is unreadable ({e}); rerun `ctxrelay profile`") from None
+            raise UsageError(f"cost profile {path} is unreadable ({e}); rerun `ctxrelay profile`") from None
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,7 +147,8 @@ class TransportGraph:
         for path in sorted({p for d in artifact_dirs if d.exists() for p in d.glob("*.safetensors")}):
             try:
                 art = load(path)
-            except TensorFileError as e:
+                t = transports.get(art.transport)
+            except (TensorFileError, transports.UnknownTransport) as e:
                 skipped.append(f"{path.name}: {e}")
                 continue
             s, r = art.sender["weights_hash"], art.receiver["weights_hash"]
@@ -151,9 +156,16 @@ class TransportGraph:
                 missing = [b["name"] for b, h in ((art.sender, s), (art.receiver, r)) if h not in nodes]
                 skipped.append(f"{path.name}: calibrated for model versions not in the pool ({', '.join(missing)})")
                 continue
-            edge = Edge(art.transport, art.sender, art.receiver, path, art.quality, art.params)
+            edge = Edge(art.transport, art.sender, art.receiver, path, art.quality, art.params, exact=t.exact)
             edge.cost = profile.edges.get(edge.key)
             edges.append(edge)
+        for t in transports.loaded():  # pairs a transport serves without an artifact
+            for a in models:
+                for b in models:
+                    if t.implicit_edge(a.spec, b.spec):
+                        edge = Edge(t.name, model_binding(a), model_binding(b), None, {}, {}, exact=t.exact)
+                        edge.cost = profile.edges.get(edge.key)
+                        edges.append(edge)
         return TransportGraph(nodes, edges, skipped)
 
     def edges_between(self, sender_hash: str, receiver_hash: str) -> list[Edge]:
@@ -166,9 +178,14 @@ class TransportGraph:
     def edges_from(self, sender_hash: str) -> list[Edge]:
         return [e for e in self.edges if e.sender["weights_hash"] == sender_hash]
 
+    @property
+    def calibrated(self) -> list[Edge]:
+        """Edges that come from an artifact (implicit ones, a model's own K/V, are not listed or drawn)."""
+        return [e for e in self.edges if e.artifact_path is not None]
+
     def rows(self, n_tokens: int = 2048) -> list[dict]:
         out = []
-        for e in self.edges:
+        for e in self.calibrated:
             native = self.nodes[e.receiver["weights_hash"]].native_cost
             relay_s = e.cost.total(n_tokens) if e.cost else None
             native_s = native.total(n_tokens) if native else None
@@ -200,9 +217,9 @@ class TransportGraph:
         for h, (x, y) in pos.items():
             ax.scatter([x], [y], s=2500, color="#dde6f5", zorder=2)
             ax.text(x, y, names[h], ha="center", va="center", fontsize=9, zorder=3)
-        for e, row in zip(self.edges, self.rows(n_tokens), strict=True):
+        for e, row in zip(self.calibrated, self.rows(n_tokens), strict=True):
             (x0, y0), (x1, y1) = pos[e.sender["weights_hash"]], pos[e.receiver["weights_hash"]]
-            color = {"mapflow": "tab:blue", "heterofold": "tab:orange"}.get(e.transport, "gray")
+            color = transports.get(e.transport).color
             ax.annotate(
                 "", xy=(x1, y1), xytext=(x0, y0),
                 arrowprops=dict(arrowstyle="-|>", color=color, lw=1.5, shrinkA=28, shrinkB=28,

@@ -7,29 +7,24 @@ after a code change is cheap. The result is a `Profile` the gate predicts from.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
-from ctxrelay import zoo
+from ctxrelay import paths, transports
 from ctxrelay.models import runner
 from ctxrelay.models.spec import LoadedModel
-from ctxrelay.relay.api import ModelPool, transport_module
+from ctxrelay.models.tokens import context_ids, suffix_ids
+from ctxrelay.relay.api import ModelPool
 from ctxrelay.relay.graph import NATIVE_KEY, CostModel, Profile
 from ctxrelay.relay.store import DiskStore, StateKey, StoreUnavailable
 from ctxrelay.state import ContextState, content_hash
+from ctxrelay.timing import median_components
 
 TextFor = Callable[[LoadedModel, int], str]  # (model, n tokens) -> text of about n tokens for it
 PROBE_SUFFIX = "\nAnswer:"
-
-
-def _median_components(fn: Callable[[], dict[str, float]], repeats: int) -> dict[str, float]:
-    fn()  # warm-up
-    runs = [fn() for _ in range(repeats)]
-    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
 
 
 def measure_native(m: LoadedModel, text: str, repeats: int) -> tuple[int, dict[str, float]]:
@@ -41,27 +36,23 @@ def measure_native(m: LoadedModel, text: str, repeats: int) -> tuple[int, dict[s
         int(out.logits[-1].argmax())
         return {NATIVE_KEY: time.perf_counter() - t}
 
-    return len(ids), _median_components(once, repeats)
-
-
-def context_ids(m: LoadedModel, text: str) -> torch.Tensor:
-    return torch.tensor(m.tokenizer(text, add_special_tokens=True)["input_ids"], dtype=torch.long)
+    return len(ids), median_components(once, repeats)
 
 
 def _suffix(m: LoadedModel) -> torch.Tensor:
-    return torch.tensor(m.tokenizer(PROBE_SUFFIX, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    return suffix_ids(m, PROBE_SUFFIX)
 
 
 def cached_sender_state(pool: ModelPool, sender: LoadedModel, text: str) -> ContextState:
     """A sender state for `text`, from the profile cache or a fresh (expensive) sender prefill."""
-    disk = DiskStore(zoo.cache_dir() / "profile_states")
+    disk = DiskStore(paths.work_dir("profile_states"))
     key = StateKey("profile", content_hash(text), sender.spec.weights_hash)
     try:
         state = disk.get(key, "profile")
     except StoreUnavailable:
         state = None
-    needs_maps = any(e.transport == "mapflow" for e in pool.graph.edges_from(sender.spec.weights_hash))
-    if state is None or (needs_maps and not state.has("maps")):
+    needs = {transports.get(e.transport).needs for e in pool.graph.edges_from(sender.spec.weights_hash)}
+    if state is None or not all(state.has(n) for n in needs):
         state = pool.prefill(sender.spec.name, text, tenant="profile", store=False)
         disk.put(state)
     return state
@@ -74,7 +65,8 @@ def profile_pool(
     prof = pool.profile
     prof.machine = {"torch_threads": torch.get_num_threads()}
     models = [m for m in pool.models.values() if not (only_missing and m.spec.weights_hash in prof.native)]
-    edges = [e for e in pool.graph.edges if not (only_missing and e.key in prof.edges)]
+    # exact edges (a model's own K/V) need no cost model: the gate takes them whenever they apply
+    edges = [e for e in pool.graph.edges if not e.exact and not (only_missing and e.key in prof.edges)]
     work = len(lengths) * (len(models) + len(edges))
     bar = tqdm(total=work, desc="profile", unit="pt")
     for m in models:
@@ -88,7 +80,7 @@ def profile_pool(
         sender = next(m for m in pool.models.values() if m.spec.weights_hash == e.sender["weights_hash"])
         receiver = next(m for m in pool.models.values() if m.spec.weights_hash == e.receiver["weights_hash"])
         art = pool.artifact(e.artifact_path)
-        module = transport_module(e.transport)
+        module = transports.get(e.transport)
         samples = []
         for n in lengths:
             bar.set_postfix_str(f"{e.label} @ {n}")
@@ -104,7 +96,7 @@ def profile_pool(
                 timings["first_token_s"] = timings.get("first_token_s", 0.0) + time.perf_counter() - t
                 return timings
 
-            samples.append((n_recv, _median_components(once, repeats)))
+            samples.append((n_recv, median_components(once, repeats)))
             bar.update()
         prof.edges[e.key] = CostModel.fit(samples)
     bar.close()

@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 
 from ctxrelay import tensorfile
+from ctxrelay.errors import CtxrelayError, UsageError
 from ctxrelay.state import BindingError, ContextState
 
 
-class StoreUnavailable(RuntimeError):
+class StoreUnavailable(CtxrelayError, RuntimeError):
     """The backend cannot serve right now (server down, disk full, corrupt entry)."""
 
 
@@ -220,7 +221,7 @@ class DiskStore(StateStore):
 
     def _path(self, key: StateKey) -> Path:
         if "/" in key.tenant or key.tenant.startswith("."):
-            raise ValueError(f"tenant name {key.tenant!r} may not contain '/' or start with '.'")
+            raise UsageError(f"tenant name {key.tenant!r} may not contain '/' or start with '.'")
         return self.root / key.tenant / f"{key.slug}.safetensors"
 
     def put(self, state: ContextState) -> StateKey:
@@ -380,7 +381,7 @@ def open_store(spec: str) -> StateStore:
         return DiskStore(spec[5:])
     if spec.startswith("redis://"):
         return RedisStore(spec)
-    raise ValueError(f"unknown store {spec!r}: use memory[:SIZE], disk:PATH, redis://HOST:PORT/DB, joined by '+'")
+    raise UsageError(f"unknown store {spec!r}: use memory[:SIZE], disk:PATH, redis://HOST:PORT/DB, joined by '+'")
 
 
 def _parse_bytes(text: str) -> int:

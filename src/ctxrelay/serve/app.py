@@ -12,10 +12,10 @@ import threading
 from fastapi import FastAPI, Header, HTTPException
 from pydantic import BaseModel, Field
 
+from ctxrelay.errors import BindingError
 from ctxrelay.relay.api import ModelPool
-from ctxrelay.relay.gate import TRANSPORTS
+from ctxrelay.relay.gate import requestable
 from ctxrelay.relay.store import StateKey
-from ctxrelay.state import BindingError
 
 
 class PrefillRequest(BaseModel):
@@ -68,15 +68,15 @@ def create_app(pool: ModelPool) -> FastAPI:
         return {
             "tenant": key.tenant, "content_hash": key.content_hash, "model_hash": key.model_hash,
             "tokens": state.num_tokens, "prefill_s": state.meta["prefill_s"],
-            "captured": [w for w in ("kv", "maps") if state.has(w)],
+            "captured": [w for w in ("kv", *state.parts) if state.has(w)],
         }  # fmt: skip
 
     @app.post("/continue")
     def continue_(req: ContinueRequest, x_tenant: str = Header(...)) -> dict:
         model_or_404(req.sender)
         model_or_404(req.receiver)
-        if req.transport not in TRANSPORTS:
-            raise HTTPException(400, f"transport must be one of {', '.join(TRANSPORTS)}")
+        if req.transport not in requestable():
+            raise HTTPException(400, f"transport must be one of {', '.join(requestable())}")
         try:
             with compute:
                 res = pool.continue_from(

@@ -1,0 +1,134 @@
+"""Needle QA: hide one synthetic fact in an essay haystack at a chosen depth, then ask for it.
+
+The facts are invented (names, codes) so no model knows them from training; the question is a
+plain-text suffix (no chat template) that small instruct models answer on one line.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ctxrelay.errors import UsageError
+from ctxrelay.metrics import normalize_tokens, token_f1
+
+
+@dataclass(frozen=True)
+class Needle:
+    fact: str
+    question: str
+    answer: str
+
+
+NEEDLES: tuple[Needle, ...] = (
+    Needle(
+        "The secret passphrase for the Larkspur vault is copper-heron-42.",
+        "What is the secret passphrase for the Larkspur vault?",
+        "copper-heron-42",
+    ),
+    Needle(
+        "The lighthouse keeper on Tarrow Island has a grey cat named Biscuit.",
+        "What is the name of the cat of the lighthouse keeper on Tarrow Island?",
+        "Biscuit",
+    ),
+    Needle(
+        "The access code for the Wrenfield server room is 4172.",
+        "What is the access code for the Wrenfield server room?",
+        "4172",
+    ),
+    Needle(
+        "Professor Ilsa Varga's favourite fruit is the mangosteen.",
+        "What is Professor Ilsa Varga's favourite fruit?",
+        "mangosteen",
+    ),
+    Needle(
+        "The ferry to Pellham Harbor leaves from pier 19.",
+        "From which pier does the ferry to Pellham Harbor leave?",
+        "pier 19",
+    ),
+    Needle(
+        "The annual Quillfeather regatta is held in the town of Marrowby.",
+        "In which town is the annual Quillfeather regatta held?",
+        "Marrowby",
+    ),
+    Needle(
+        "Dr. Maren Osei keeps her spare key under a blue ceramic frog.",
+        "Where does Dr. Maren Osei keep her spare key?",
+        "under a blue ceramic frog",
+    ),
+    Needle(
+        "The Halvorsen expedition reached the summit on the 14th of March.",
+        "On what date did the Halvorsen expedition reach the summit?",
+        "14th of March",
+    ),
+)
+
+QUESTION_FORMAT = "\n\nQuestion: {question}\nAnswer:"
+
+
+@dataclass(frozen=True)
+class NeedleCase:
+    context: str  # haystack with the fact inserted (the shared context a sender prefills)
+    question: str  # the suffix the receiver appends: "\n\nQuestion: ...\nAnswer:"
+    answer: str  # short gold answer
+    depth: float  # where the fact actually starts, as a fraction of the haystack's characters
+    needle: Needle
+
+    @property
+    def prompt(self) -> str:
+        return self.context + self.question
+
+
+_BOUNDARY = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+def sentence_boundaries(text: str) -> list[int]:
+    """Character positions where a new sentence starts (plus 0 and len(text))."""
+    cuts = {0, len(text)}
+    cuts.update(m.end() for m in _BOUNDARY.finditer(text))
+    return sorted(cuts)
+
+
+def insert_at_depth(haystack: str, fact: str, depth: float) -> tuple[str, int]:
+    """Insert `fact` at the sentence boundary nearest to `depth` * len(haystack).
+
+    Returns (text, boundary): the boundary is the haystack character index where the fact went in.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise UsageError(f"needle depth must be in [0, 1], got {depth}")
+    target = depth * len(haystack)
+    pos = min(sentence_boundaries(haystack), key=lambda c: (abs(c - target), c))
+    before, after = haystack[:pos], haystack[pos:]
+    # Keep the fact a sentence of its own whichever side of it the haystack continues.
+    sep_before = "" if not before or before[-1].isspace() else " "
+    sep_after = "" if not after or after[0].isspace() else " "
+    return before + sep_before + fact + sep_after + after, pos
+
+
+def make_needle_case(haystack: str, depth: float, seed: int = 0) -> NeedleCase:
+    """One needle-QA case: fact number `seed` (mod the fact count) inserted at `depth`."""
+    if not haystack.strip():
+        raise UsageError("needle haystack is empty; build one with eval.datasets.essay_haystack")
+    needle = NEEDLES[seed % len(NEEDLES)]
+    context, pos = insert_at_depth(haystack, needle.fact, depth)
+    return NeedleCase(
+        context=context,
+        question=QUESTION_FORMAT.format(question=needle.question),
+        answer=needle.answer,
+        depth=pos / len(haystack),
+        needle=needle,
+    )
+
+
+def first_answer_line(pred: str) -> str:
+    """Generated text up to its first line break: models often go on to invent the next question."""
+    stripped = pred.strip()
+    return stripped.split("\n", 1)[0] if stripped else ""
+
+
+def score_answer(pred: str, gold: str) -> dict:
+    """{"exact": 1 if the normalised gold appears as a word sequence in the answer line, "f1": ...}."""
+    line = first_answer_line(pred)
+    p, g = normalize_tokens(line), normalize_tokens(gold)
+    exact = int(bool(g) and any(p[i : i + len(g)] == g for i in range(len(p) - len(g) + 1)))
+    return {"exact": exact, "f1": token_f1(line, gold)}

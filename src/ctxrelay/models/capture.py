@@ -1,0 +1,91 @@
+"""The one sender prefill: read a context natively and leave a ContextState with what transports need.
+
+The pool, calibration and every benchmark call `capture_state`. What is recorded comes from
+capture plans (one per transport that will read the state): pre-RoPE keys and values, and attention
+probabilities streamed to a consumer (mapflow's block compressor) that writes its own state part
+when the prefill is done. Layers nobody asked probabilities of keep fused SDPA.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ctxrelay.errors import UsageError
+from ctxrelay.models import runner
+from ctxrelay.models.attention import ProbsCallback
+from ctxrelay.models.spec import LoadedModel
+from ctxrelay.models.tokens import tokenize_context
+from ctxrelay.state import Binding, ContextState
+
+
+@dataclass
+class CapturePlan:
+    """What one transport needs recorded during the sender's prefill (plans are merged)."""
+
+    kv: bool = False  # pre-RoPE keys and values of every layer
+    on_probs: ProbsCallback | None = None  # attention probabilities, streamed in row chunks
+    prob_chunk: int = 64
+    prob_layers: set[int] | None = None  # layers whose probabilities are wanted (None: all)
+    finish: Callable[[ContextState], None] | None = None  # writes the transport's part into the state
+
+
+def merge(plans: Sequence[CapturePlan], kv: bool = False) -> runner.Capture:
+    """One runner.Capture serving every plan: K/V if anyone wants them, each probs consumer its layers."""
+    cap = runner.Capture(keys_pre_rope=kv or any(p.kv for p in plans), values=kv or any(p.kv for p in plans))
+    readers = [p for p in plans if p.on_probs is not None]
+    if not readers:
+        return cap
+    chunks = {p.prob_chunk for p in readers}
+    if len(chunks) > 1:
+        raise UsageError(f"capture plans ask for attention probabilities in different row chunks {sorted(chunks)}")
+    cap.prob_chunk = chunks.pop()
+    every = any(p.prob_layers is None for p in readers)
+    cap.prob_layers = None if every else set().union(*(p.prob_layers for p in readers))
+
+    def on_probs(layer: int, row0: int, probs: torch.Tensor) -> None:
+        for p in readers:
+            if p.prob_layers is None or layer in p.prob_layers:
+                p.on_probs(layer, row0, probs)
+
+    cap.on_probs = on_probs
+    return cap
+
+
+def run_capture(m: LoadedModel, ids: torch.Tensor, plans: Sequence[CapturePlan] = (), kv: bool = False):
+    """The sender's forward over `ids` recording what `plans` ask; returns the filled runner.Capture."""
+    cap = merge(plans, kv)
+    runner.forward(m, ids, capture=cap, logits="none")
+    return cap
+
+
+def capture_state(
+    m: LoadedModel,
+    text: str,
+    tenant: str,
+    plans: Sequence[CapturePlan] = (),
+    *,
+    kv: bool = True,
+    meta: dict | None = None,
+) -> ContextState:
+    """Native prefill of `text` by `m`; records what `plans` ask (and K/V when kv=True)."""
+    ids, offsets = tokenize_context(m, text)
+    t0 = time.perf_counter()
+    cap = run_capture(m, ids, plans, kv)
+    state = ContextState(
+        text=text,
+        tokens=ids,
+        offsets=offsets,
+        binding=Binding.of(m, tenant),
+        keys_pre_rope=torch.stack(cap.keys) if cap.keys_pre_rope else None,
+        values=torch.stack(cap.vals) if cap.values else None,
+        meta={"sender": m.spec.name, **(meta or {})},
+    )
+    for p in plans:
+        if p.finish is not None:
+            p.finish(state)
+    state.meta["prefill_s"] = time.perf_counter() - t0
+    return state

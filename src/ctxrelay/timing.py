@@ -1,0 +1,53 @@
+"""Timing helpers every measurement uses: a component stopwatch and one median timer.
+
+Speed is measured in benchmarks (and the cost profile), never in timed unit tests: warm-up first,
+then the median of repeats, in the same process as the reference it is compared with.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+from ctxrelay.errors import UsageError
+
+
+class Stopwatch:
+    """Accumulates wall time into named components: `with sw("translate_s"): ...`."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, key: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
+
+
+def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> tuple[float, list[float]]:
+    """Run `fn` `warmup` times untimed, then `repeats` times timed; (median seconds, all times)."""
+    if repeats < 1:
+        raise UsageError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def median_components(fn: Callable[[], dict[str, float]], repeats: int = 3, warmup: int = 1) -> dict[str, float]:
+    """`fn` returns named component times; after `warmup` calls, the per-component median of `repeats`."""
+    if repeats < 1:
+        raise UsageError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    runs = [fn() for _ in range(repeats)]
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}

@@ -1,0 +1,43 @@
+"""Prefill-free KV transfer across model families (HeteroFold, DESIGN.md section 1b).
+
+`transport` is what the registry serves: relay_prefill (transfer.py) builds the receiver's cache from
+the sender's pre-RoPE K/V through the calibrated per-layer maps of an artifact; calibrate runs
+`ctxrelay calibrate --transport heterofold` (data choice in calib_data.py, fitting in calibrate.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ctxrelay.transports.base import Transport
+from ctxrelay.transports.heterofold.calibrate import METHODS, CalibConfig, calibrate
+from ctxrelay.transports.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, identity_artifact, relay_prefill
+
+
+class Heterofold(Transport):
+    name = TRANSPORT
+    artifact_version = ARTIFACT_VERSION
+    needs = "kv"
+    color = "tab:orange"
+
+    def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):
+        return relay_prefill(receiver, state, artifact, suffix_ids, **options)
+
+    def calibrate(self, sender: str, receiver: str, *, out, resume, options, command) -> Path:
+        from ctxrelay.transports.heterofold.calib_data import calibrate_job
+
+        return calibrate_job(sender, receiver, out=out, resume=resume, options=options, command=command)
+
+
+transport = Heterofold()
+
+__all__ = [
+    "ARTIFACT_VERSION",
+    "METHODS",
+    "TRANSPORT",
+    "CalibConfig",
+    "calibrate",
+    "identity_artifact",
+    "relay_prefill",
+    "transport",
+]

@@ -1,0 +1,173 @@
+"""Sender ContextState (pre-RoPE K, V, offsets) -> receiver cache, without receiver prefill.
+
+Steps, each timed into the RelayOutput contract:
+  translate  tokenize the text with the receiver's tokenizer, align tokens, apply the per-layer maps
+  copy       bring the sender's K/V to the receiver's device and dtype
+  assemble   the receiver's own k-norm + RoPE at its own positions; native one-token passes for
+             the attention sink and special tokens (never translated)
+  first token  the appended tokens (question / new turn) run natively over the assembled cache
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ctxrelay.artifact import Artifact, model_binding
+from ctxrelay.errors import UsageError
+from ctxrelay.models import runner
+from ctxrelay.models.runner import KVCache
+from ctxrelay.models.spec import LoadedModel
+from ctxrelay.models.tokens import tokenize_context
+from ctxrelay.state import ContextState
+from ctxrelay.timing import Stopwatch
+from ctxrelay.transports.base import RelayOutput, check_edge
+from ctxrelay.transports.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
+from ctxrelay.transports.heterofold.maps import FoldMaps, translate
+
+TRANSPORT = "heterofold"
+ARTIFACT_VERSION = 1
+
+
+def check_state(receiver: LoadedModel, state: ContextState, artifact: Artifact) -> None:
+    """Bindings (the one edge check), then the state's K/V against the artifact's sender shapes."""
+    check_edge(TRANSPORT, ARTIFACT_VERSION, receiver, state, artifact)
+    if not state.has("kv"):
+        raise UsageError(
+            "this context state holds no pre-RoPE keys/values; heterofold needs them: "
+            "capture the sender state with kv=True (ctxrelay.models.capture.capture_state)"
+        )
+    p = artifact.params
+    want = (p["sender_layers"], p["sender_kv_heads"], p["sender_head_dim"])
+    k = state.keys_pre_rope
+    got = (k.shape[0], k.shape[2], k.shape[3])
+    if got != want or state.values.shape != k.shape or k.shape[1] != state.num_tokens:
+        raise UsageError(
+            f"state K/V {tuple(k.shape)} / {tuple(state.values.shape)} do not fit the artifact's sender "
+            f"(layers, kv_heads, head_dim) = {want} with {state.num_tokens} tokens"
+        )
+
+
+def align_for(receiver: LoadedModel, state: ContextState, artifact: Artifact, ids=None, offsets=None) -> Alignment:
+    if ids is None:
+        ids, offsets = tokenize_context(receiver, state.text)
+    return align_ids(
+        ids,
+        offsets,
+        special_ids_of(receiver.tokenizer),
+        state.tokens,
+        state.offsets,
+        set(artifact.params.get("sender_special_ids", [])),
+        artifact.params.get("pairing", "ta"),
+    )
+
+
+def fill_native(m: LoadedModel, ids: torch.Tensor, cache: KVCache, positions: list[int]) -> None:
+    """Compute the receiver's own K/V at `positions` (sink, specials) and write them into `cache`.
+
+    One pass at those positions: each attends by position to what precedes it in the cache (as in
+    native prefill) and the ones before it in the pass.
+    """
+    if positions:
+        pos = torch.tensor(positions, dtype=torch.long)
+        runner.forward(m, ids[pos], cache, positions=pos, logits="none")
+
+
+def assemble_cache(
+    receiver: LoadedModel,
+    state: ContextState,
+    artifact: Artifact,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    sw: Stopwatch | None = None,
+) -> tuple[KVCache, Alignment]:
+    """The receiver cache for the context tokens `ids` (receiver tokenization of state.text) from the
+    sender's K/V; bindings must be checked already. Timed into `sw` as translate / copy / assemble."""
+    sw = sw or Stopwatch()
+    with sw("translate_s"):
+        al = align_for(receiver, state, artifact, ids, offsets)
+        maps = FoldMaps.from_tensors(artifact.tensors, artifact.params["sources"])
+    with sw("copy_s"):
+        send_k = state.keys_pre_rope.to(receiver.device, receiver.dtype)
+        send_v = state.values.to(receiver.device, receiver.dtype)
+    with sw("translate_s"):
+        s = receiver.spec
+        keys, values = translate(maps, send_k, send_v, al.src.to(receiver.device), s.num_kv_heads, s.head_dim)
+    with sw("assemble_s"):
+        cache = runner.cache_from_pre_rope(receiver, keys, values) if ids.numel() else KVCache.empty(receiver)
+        if ids.numel():
+            fill_native(receiver, ids, cache, al.native)
+    return cache, al
+
+
+def relay_prefill(
+    receiver: LoadedModel,
+    state: ContextState,
+    artifact: Artifact,
+    suffix_ids: torch.Tensor,
+    *,
+    logits: Literal["last", "all"] = "last",
+) -> RelayOutput:
+    """Receiver cache for `state.text` from the sender's K/V, then `suffix_ids` natively.
+
+    With an empty suffix the last context token runs natively so there are next-token logits.
+    logits="all" returns logits for every suffix position (quality benchmarks); the contract is "last".
+    """
+    sw = Stopwatch()
+    with sw("translate_s"):
+        check_state(receiver, state, artifact)
+        suffix = torch.as_tensor(suffix_ids, dtype=torch.long).view(-1)
+        if suffix.numel() and (int(suffix.min()) < 0 or int(suffix.max()) >= receiver.spec.vocab_size):
+            raise ValueError(f"suffix ids must be token ids of {receiver.name} (0..{receiver.spec.vocab_size - 1})")
+        ids, offsets = tokenize_context(receiver, state.text)
+        if suffix.numel() == 0:
+            if ids.numel() == 0:
+                raise ValueError("nothing to run: the context text and the suffix are both empty")
+            ids, offsets, suffix = ids[:-1], offsets[:-1], ids[-1:]
+    cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw)
+    with sw("first_token_s"):
+        out = runner.forward(receiver, suffix, cache, logits=logits)
+        first = int(out.logits[-1].argmax())
+    info = {
+        "method": artifact.params.get("method", ""),
+        "pairing": artifact.params.get("pairing", "ta"),
+        "context_tokens": int(ids.numel()),
+        "sender_tokens": state.num_tokens,
+        "native_positions": len(al.native),
+        "exact_boundaries": al.exact,
+        "char_mismatch": al.char_mismatch,
+        "first_token": first,
+    }
+    return RelayOutput(out.cache, out.logits, sw.timings, info)
+
+
+def identity_artifact(m: LoadedModel) -> Artifact:
+    """A model transferring to itself with identity maps (the exactness check)."""
+    s = m.spec
+    sources = layer_sources(s.num_layers, s.num_layers)
+    maps = FoldMaps.identity(sources, s.num_kv_heads * s.head_dim)
+    return Artifact(
+        transport=TRANSPORT,
+        version=ARTIFACT_VERSION,
+        sender=model_binding(m),
+        receiver=model_binding(m),
+        tensors=maps.to_tensors(torch.float32),
+        params=pair_params(m, m, sources, method="identity", pairing="ta"),
+    )
+
+
+def pair_params(sender: LoadedModel, receiver: LoadedModel, sources: list[list[int]], **extra) -> dict:
+    """The shape facts and sender specials an artifact needs at relay time."""
+    s, r = sender.spec, receiver.spec
+    return {
+        "sources": sources,
+        "sender_layers": s.num_layers,
+        "sender_kv_heads": s.num_kv_heads,
+        "sender_head_dim": s.head_dim,
+        "receiver_layers": r.num_layers,
+        "receiver_kv_heads": r.num_kv_heads,
+        "receiver_head_dim": r.head_dim,
+        "sender_special_ids": sorted(special_ids_of(sender.tokenizer)),
+        **extra,
+    }

@@ -1,0 +1,183 @@
+"""The relay API and gate on tiny models: fallbacks, self-reuse exactness, tenants, timings."""
+
+import pytest
+import torch
+
+from conftest import SAMPLE_TEXT
+from ctxrelay.artifact import Artifact, model_binding
+from ctxrelay.errors import BindingError
+from ctxrelay.models import runner
+from ctxrelay.relay import ModelPool
+from ctxrelay.relay.gate import decide
+from ctxrelay.relay.graph import CostModel, Profile, TransportGraph, edge_key
+from ctxrelay.relay.store import DiskStore, RedisStore
+
+SUFFIX = " Question: what is a startup? Answer:"
+
+
+@pytest.fixture
+def pool(tiny_by_family, tmp_path):
+    return ModelPool(
+        [tiny_by_family["llama"], tiny_by_family["gemma3"]], artifact_dirs=[tmp_path / "artifacts"], profile=Profile()
+    )
+
+
+def test_no_artifact_falls_back_to_native(pool):
+    llama, gemma = pool.models.values()
+    state = pool.prefill(llama.name, SAMPLE_TEXT, tenant="acme")
+    res = pool.continue_from(state, gemma.name, SUFFIX, max_new_tokens=4)
+    assert res.transport == "native" and "no calibrated artifact" in res.reason
+    ref = pool.native(gemma.name, SAMPLE_TEXT, SUFFIX, max_new_tokens=4)
+    assert res.tokens == ref.tokens
+
+
+def test_self_reuse_is_exact_and_skips_prefill(pool):
+    llama = next(iter(pool.models.values()))
+    state = pool.prefill(llama.name, SAMPLE_TEXT, tenant="acme")
+    res = pool.continue_from(state, llama.name, SUFFIX, max_new_tokens=6)
+    ref = pool.native(llama.name, SAMPLE_TEXT, SUFFIX, max_new_tokens=6)
+    assert res.transport == "self"
+    assert (res.first_logits - ref.first_logits).abs().max() < 1e-4
+    assert res.tokens == ref.tokens
+    no_suffix = pool.continue_from(state, llama.name, "", max_new_tokens=1)
+    ids = torch.as_tensor(state.tokens)
+    assert (no_suffix.first_logits - runner.forward(llama, ids).logits[-1]).abs().max() < 1e-4
+
+
+def test_component_timings_sum_to_end_to_end(pool):
+    llama, gemma = pool.models.values()
+    state = pool.prefill(llama.name, SAMPLE_TEXT, tenant="acme")
+    for receiver in (llama.name, gemma.name):
+        res = pool.continue_from(state, receiver, SUFFIX, max_new_tokens=1)
+        assert abs(res.components_s - res.ttft_s) <= 0.1 * res.ttft_s, (res.transport, res.timings, res.ttft_s)
+
+
+def test_cross_tenant_state_is_refused(pool):
+    llama = next(iter(pool.models.values()))
+    state = pool.prefill(llama.name, SAMPLE_TEXT, tenant="acme")
+    with pytest.raises(BindingError, match="globex"):
+        pool.continue_from(state, llama.name, SUFFIX, tenant="globex")
+    # looking it up by text as another tenant finds nothing of theirs: native, not acme's state
+    res = pool.continue_from(SAMPLE_TEXT, llama.name, SUFFIX, tenant="globex", sender=llama.name, max_new_tokens=1)
+    assert res.transport == "native" and "no stored state" in res.reason
+
+
+def test_state_is_found_in_the_store_by_text(tiny_by_family, tmp_path):
+    llama = tiny_by_family["llama"]
+    pool = ModelPool([llama], store=DiskStore(tmp_path / "states"), artifact_dirs=[], profile=Profile())
+    pool.prefill(llama.name, SAMPLE_TEXT, tenant="acme")
+    fresh = ModelPool([llama], store=DiskStore(tmp_path / "states"), artifact_dirs=[], profile=Profile())
+    res = fresh.continue_from(SAMPLE_TEXT, llama.name, SUFFIX, tenant="acme", sender=llama.name, max_new_tokens=2)
+    assert res.transport == "self" and res.timings["copy_s"] > 0
+
+
+def test_store_outage_degrades_to_native(tiny_by_family):
+    llama = tiny_by_family["llama"]
+    dead = RedisStore("redis://127.0.0.1:1/0")  # nothing listens on port 1
+    pool = ModelPool([llama], store=dead, artifact_dirs=[], profile=Profile())
+    state = pool.prefill(llama.name, SAMPLE_TEXT, tenant="acme")  # storing fails quietly; state still returned
+    assert state.has("kv")
+    res = pool.continue_from(SAMPLE_TEXT, llama.name, SUFFIX, tenant="acme", sender=llama.name, max_new_tokens=2)
+    assert res.transport == "native" and "unavailable" in res.reason and res.tokens
+
+
+# ---- the gate ----------------------------------------------------------------------------------
+
+
+def _edge_artifact(path, sender, receiver, top1=0.9, transport="heterofold"):
+    art = Artifact(transport, 1, model_binding(sender), model_binding(receiver), {"w": torch.zeros(1)},
+                   quality={"top1_agreement": top1})  # fmt: skip
+    return art.save(path)
+
+
+def _profile(sender, receiver, native_per_token=1e-3, relay_per_token=1e-4, transport="heterofold"):
+    samples = lambda per, key: [(n, {key: per * n}) for n in (256, 512, 1024)]
+    return Profile(
+        native={receiver.spec.weights_hash: CostModel.fit(samples(native_per_token, "prefill_s"))},
+        edges={
+            edge_key(transport, sender.spec.weights_hash, receiver.spec.weights_hash): CostModel.fit(
+                samples(relay_per_token, "translate_s")
+            )
+        },
+    )
+
+
+def _state(sender):
+    from ctxrelay.models.capture import capture_state
+
+    return capture_state(sender, SAMPLE_TEXT, "acme")
+
+
+def test_gate_relays_when_faster_and_good_enough(tiny_by_family, tmp_path):
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    _edge_artifact(tmp_path / "e.safetensors", s, r, top1=0.9)
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r))
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048, quality_threshold=0.8)
+    assert d.transport == "heterofold" and "top-1 agreement 0.90 >= 0.80" in d.reason
+    assert d.predicted_relay_s < d.predicted_native_s
+
+
+def test_gate_refuses_when_quality_threshold_is_above_calibrated(tiny_by_family, tmp_path):
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    _edge_artifact(tmp_path / "e.safetensors", s, r, top1=0.7)
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r))
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048, quality_threshold=0.8)
+    assert d.transport == "native" and "0.70 is below the threshold 0.80" in d.reason
+
+
+def test_gate_refuses_when_relay_is_predicted_slower(tiny_by_family, tmp_path):
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    _edge_artifact(tmp_path / "e.safetensors", s, r)
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r, native_per_token=1e-4, relay_per_token=1e-3))
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048)
+    assert d.transport == "native" and "is not 1.10x below native prefill" in d.reason
+
+
+def test_gate_wants_a_margin_over_native(tiny_by_family, tmp_path):
+    """A relay predicted only 5% faster is within the cost model's error: native, unless the caller
+    lowers the margin."""
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    _edge_artifact(tmp_path / "e.safetensors", s, r)
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r, native_per_token=1.05e-3, relay_per_token=1e-3))
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048)
+    assert d.transport == "native" and "is not 1.10x below native prefill" in d.reason
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048, min_speedup=1.0)
+    assert d.transport == "heterofold"
+
+
+def test_gate_refuses_artifact_for_another_model_version(tiny_by_family, tmp_path):
+    from ctxrelay.models.tiny import tiny_model
+
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    r_v2 = tiny_model("qwen2", seed=1)  # same architecture, other weights: another model version
+    _edge_artifact(tmp_path / "e.safetensors", s, r_v2)
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r))
+    assert graph.calibrated == [] and "not in the pool" in graph.skipped[0]
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048)
+    assert d.transport == "native" and "no calibrated artifact" in d.reason
+
+
+def test_gate_refuses_state_from_another_sender_version(tiny_by_family, tmp_path):
+    from ctxrelay.models.tiny import tiny_model
+
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    _edge_artifact(tmp_path / "e.safetensors", s, r)
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r))
+    other_sender_state = _state(tiny_model("llama", seed=3))
+    d = decide(graph, other_sender_state, r.spec.weights_hash, 2048, requested="heterofold")
+    assert d.transport == "native"
+
+
+def test_gate_refuses_state_without_what_the_transport_needs(tiny_by_family, tmp_path):
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    _edge_artifact(tmp_path / "e.safetensors", s, r, transport="mapflow")
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r, transport="mapflow"))
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048)
+    assert d.transport == "native" and "holds no maps" in d.reason
+
+
+def test_cost_model_fits_and_predicts():
+    samples = [(n, {"a": 0.1 + 2e-4 * n + 1e-8 * n * n}) for n in (256, 512, 1024, 2048, 4096)]
+    cm = CostModel.fit(samples)
+    for n in (300, 3000, 8192):
+        assert cm.total(n) == pytest.approx(0.1 + 2e-4 * n + 1e-8 * n * n, rel=1e-3)

@@ -1,0 +1,28 @@
+"""heterofold's calibration data and job: chunks, splits, option checks (no model runs)."""
+
+import pytest
+
+from ctxrelay.errors import UsageError
+from ctxrelay.transports.heterofold import calib_data
+
+
+def test_chunks_cut_at_boundaries_and_cover_the_text():
+    text = " ".join(f"Sentence number {i} ends here." + ("\n\n" if i % 5 == 4 else "") for i in range(200))
+    pieces = calib_data.chunk(text, 500)
+    assert all(250 <= len(p) <= 500 for p in pieces)
+    assert all(p.endswith(".") for p in pieces)  # paragraph or sentence ends, never mid-word
+    assert sum(len(p) for p in pieces) > 0.9 * len(text) - 500
+
+
+def test_calibration_texts_are_split_by_the_datasets_splits():
+    train, held = calib_data.calibration_texts(
+        {"chunk_chars": 1500, "essay_chunks": 6, "conversations": 3, "heldout_essays": 2, "heldout_convs": 2}
+    )
+    assert len(train) == 9 and len(held) == 4
+    assert not set(train) & set(held)
+    assert all(len(t) > 700 for t in train + held)
+
+
+def test_calibrate_refuses_unknown_methods_before_loading_anything():
+    with pytest.raises(UsageError, match="unknown heterofold method"):
+        calib_data.calibrate_job("smollm2-135m", "gemma3-270m", options={"method": "ridge+ta,ridge"})
