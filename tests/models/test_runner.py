@@ -84,3 +84,78 @@ def test_cache_shape_mismatch_is_a_clear_error(tiny):
         assert "expected [layers=" in str(e)
     else:
         raise AssertionError("mismatched cache shape was accepted")
+
+
+# ---- the preallocated cache and explicit positions --------------------------------------------------
+
+
+def test_decoding_writes_into_preallocated_storage_not_a_new_copy_per_token(tiny):
+    ids = _ids(tiny)[:40]
+    out = runner.forward(tiny, ids)
+    cache = out.cache
+    cache.reserve(cache.length + 64)
+    ptr, grown = cache._k[0].data_ptr(), cache.reallocations
+    nxt = int(out.logits[-1].argmax())
+    for _ in range(64):
+        step = runner.forward(tiny, torch.tensor([nxt]), cache)
+        nxt = int(step.logits[-1].argmax())
+    assert cache.length == 40 + 64
+    assert cache.reallocations == grown and cache._k[0].data_ptr() == ptr  # storage never reallocated
+    # growing without a reservation copies the cache a few times, not once per token
+    c = runner.KVCache.empty(tiny)
+    for t in range(600):
+        runner.forward(tiny, _ids(tiny)[t % 20 : t % 20 + 1], c, logits="none")
+    assert c.length == 600 and c.reallocations <= 6
+
+
+def test_decode_reserves_once_for_the_whole_generation(tiny):
+    ids = _ids(tiny)[:30]
+    out = runner.forward(tiny, ids)
+    before = out.cache.reallocations
+    gen = runner.decode(tiny, out.cache, out.logits[-1], 0.0, max_new_tokens=40, stop_at_eos=False)
+    assert len(gen.tokens) == 40 and out.cache.reallocations <= before + 1
+
+
+def test_recomputing_every_position_over_a_wrong_cache_reproduces_native(tiny):
+    """The selective-recompute mechanism at f = 1: every token recomputed at its own position, over a
+    cache full of wrong K/V, gives native prefill exactly (each query sees only recomputed entries)."""
+    ids = _ids(tiny, SAMPLE_TEXT * 2)[:120]
+    native = runner.forward(tiny, ids, logits="all")
+    s = tiny.spec
+    g = torch.Generator().manual_seed(0)
+    noise = [torch.randn(1, s.num_kv_heads, len(ids), s.head_dim, generator=g) for _ in range(s.num_layers)]
+    wrong = runner.KVCache([n.clone() for n in noise], [n.clone() for n in noise])
+    out = runner.forward(tiny, ids, wrong, positions=torch.arange(len(ids)), logits="all")
+    assert (out.logits - native.logits).abs().max() < TOL
+    for i in range(s.num_layers):
+        assert (out.cache.keys[i] - native.cache.keys[i]).abs().max() < TOL
+
+
+def test_scattered_positions_attend_by_position(tiny):
+    """Recomputing a scattered subset over the native cache gives back the native K/V and logits there
+    (each query sees exactly what precedes it, within the sliding window where the layer has one)."""
+    ids = _ids(tiny, SAMPLE_TEXT * 2)[:150]
+    native = runner.forward(tiny, ids, logits="all")
+    pos = torch.tensor([0, 3, 17, 18, 19, 64, 101, 149])
+    cache = native.cache.clone()
+    out = runner.forward(tiny, ids[pos], cache, positions=pos, logits="all")
+    assert (out.logits - native.logits[pos]).abs().max() < TOL
+    assert cache.length == len(ids)
+    for i in range(tiny.spec.num_layers):
+        assert (cache.keys[i] - native.cache.keys[i]).abs().max() < TOL
+        assert (cache.values[i] - native.cache.values[i]).abs().max() < TOL
+
+
+def test_positions_must_fill_the_cache_without_gaps(tiny):
+    ids = _ids(tiny)[:10]
+    cache = runner.forward(tiny, ids, logits="none").cache
+    for bad, why in (([12], "without a gap"), ([3, 3], "distinct"), ([-1], ">= 0"), ([1, 2, 3], "positions")):
+        n = len(bad) if why != "positions" else 2
+        try:
+            runner.forward(tiny, ids[:n], cache, positions=torch.tensor(bad), logits="none")
+        except ValueError as e:
+            assert why in str(e)
+        else:
+            raise AssertionError(f"positions {bad} were accepted")
+    out = runner.forward(tiny, ids[:3], cache, positions=torch.tensor([2, 10, 11]), logits="none")  # overwrite + append
+    assert out.cache.length == 12

@@ -15,6 +15,7 @@ BENCHES = {
     "mapflow": "ctxrelay.bench.mapflow",
     "heterofold": "ctxrelay.bench.heterofold",
     "heterofold-limits": "ctxrelay.bench.heterofold_limits",
+    "decode": "ctxrelay.bench.decode",
 }
 
 

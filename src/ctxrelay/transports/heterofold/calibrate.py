@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ctxrelay import tensorfile
-from ctxrelay.artifact import Artifact, model_binding
+from ctxrelay.artifact import Artifact
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.transports.heterofold import data, quality
 from ctxrelay.transports.heterofold.align import layer_sources
@@ -33,7 +33,7 @@ from ctxrelay.transports.heterofold.e2e import train_e2e
 from ctxrelay.transports.heterofold.maps import ROLES, AffineMap, FoldMaps, layer_features
 from ctxrelay.transports.heterofold.recolor import Moments, fit_recolor, fit_ridge
 from ctxrelay.transports.heterofold.train import Corrections, feature_scales, train_corrections
-from ctxrelay.transports.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, pair_params
+from ctxrelay.transports.heterofold.transfer import make_artifact
 
 METHODS = ("same-index", "ridge+ta", "recolor+ta", "heterofold")
 
@@ -120,24 +120,6 @@ def closed_form(mom: dict[str, list[Moments]], fit: dict[str, dict]) -> dict[str
             maps.append(AffineMap(b, weight=w))
         out[role] = maps
     return out
-
-
-# ---- artifact ---------------------------------------------------------------------------------
-
-
-def make_artifact(
-    sender: LoadedModel, receiver: LoadedModel, maps: FoldMaps, params: dict, quality_report: dict, command: str
-) -> Artifact:
-    return Artifact(
-        transport=TRANSPORT,
-        version=ARTIFACT_VERSION,
-        sender=model_binding(sender),
-        receiver=model_binding(receiver),
-        tensors=maps.to_tensors(torch.float16),
-        params=pair_params(sender, receiver, maps.sources, **params),
-        quality=quality_report,
-        command=command,
-    )
 
 
 def _score(r: dict) -> float:

@@ -142,19 +142,33 @@ def relay_prefill(
     return RelayOutput(out.cache, out.logits, sw.timings, info)
 
 
+def make_artifact(
+    sender: LoadedModel,
+    receiver: LoadedModel,
+    maps: FoldMaps,
+    params: dict,
+    quality_report: dict,
+    command: str,
+    dtype: torch.dtype = torch.float16,
+) -> Artifact:
+    return Artifact(
+        transport=TRANSPORT,
+        version=ARTIFACT_VERSION,
+        sender=model_binding(sender),
+        receiver=model_binding(receiver),
+        tensors=maps.to_tensors(dtype),
+        params=pair_params(sender, receiver, maps.sources, **params),
+        quality=quality_report,
+        command=command,
+    )
+
+
 def identity_artifact(m: LoadedModel) -> Artifact:
     """A model transferring to itself with identity maps (the exactness check)."""
     s = m.spec
     sources = layer_sources(s.num_layers, s.num_layers)
     maps = FoldMaps.identity(sources, s.num_kv_heads * s.head_dim)
-    return Artifact(
-        transport=TRANSPORT,
-        version=ARTIFACT_VERSION,
-        sender=model_binding(m),
-        receiver=model_binding(m),
-        tensors=maps.to_tensors(torch.float32),
-        params=pair_params(m, m, sources, method="identity", pairing="ta"),
-    )
+    return make_artifact(m, m, maps, {"method": "identity", "pairing": "ta"}, {}, "", torch.float32)
 
 
 def pair_params(sender: LoadedModel, receiver: LoadedModel, sources: list[list[int]], **extra) -> dict:

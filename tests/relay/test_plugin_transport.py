@@ -1,0 +1,89 @@
+"""A transport registered from outside the library is a first-class edge: the gate picks it under
+transport="auto" and the pool answers through it, with no change to ctxrelay.relay.
+
+The toy transport hands the sender's own K/V to a receiver that is a copy of the sender under
+another weights hash (A -> A'), so its answer must equal A' reading the context itself.
+"""
+
+import copy
+import time
+
+import pytest
+import torch
+
+from conftest import SAMPLE_TEXT
+from ctxrelay import transports
+from ctxrelay.artifact import Artifact, model_binding
+from ctxrelay.models import runner
+from ctxrelay.models.spec import wrap
+from ctxrelay.relay import ModelPool
+from ctxrelay.relay.graph import CostModel, Profile, edge_key
+from ctxrelay.transports import RelayOutput, Transport, check_edge
+
+SUFFIX = " Question: what is a startup? Answer:"
+
+
+class ToyIdentity(Transport):
+    name = "toy-identity"
+    artifact_version = 1
+    needs = "kv"
+    color = "tab:purple"
+
+    def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):
+        check_edge(self.name, self.artifact_version, receiver, state, artifact)
+        t0 = time.perf_counter()
+        cache = runner.cache_from_pre_rope(receiver, state.keys_pre_rope, state.values)
+        t1 = time.perf_counter()
+        out = runner.forward(receiver, suffix_ids, cache)
+        timings = {"assemble_s": t1 - t0, "first_token_s": time.perf_counter() - t1}
+        return RelayOutput(out.cache, out.logits, timings, {"method": "identity"})
+
+
+@pytest.fixture
+def toy():
+    t = transports.register(ToyIdentity())
+    yield t
+    transports.unregister(t.name)
+
+
+def test_gate_picks_a_registered_plugin_transport_and_its_answer_is_native(toy, tiny_by_family, tmp_path):
+    a = tiny_by_family["llama"]
+    a2 = wrap(copy.deepcopy(a.hf), a.tokenizer, "tiny-llama-copy", weights_hash="copy-of-" + a.spec.weights_hash)
+    assert a2.spec.weights_hash != a.spec.weights_hash  # another model version: no "self" edge between them
+    art = Artifact(toy.name, toy.artifact_version, model_binding(a), model_binding(a2), {"unused": torch.zeros(1)},
+                   quality={"top1_agreement": 1.0}, command="test")  # fmt: skip
+    art.save(tmp_path / "artifacts" / "toy-identity-a-to-a2.safetensors")
+    samples = lambda per, key: [(n, {key: per * n}) for n in (64, 128, 256)]
+    key = edge_key(toy.name, a.spec.weights_hash, a2.spec.weights_hash)
+    profile = Profile(
+        native={a2.spec.weights_hash: CostModel.fit(samples(1e-3, "prefill_s"))},
+        edges={key: CostModel.fit(samples(1e-4, "assemble_s"))},
+    )
+    pool = ModelPool([a, a2], artifact_dirs=[tmp_path / "artifacts"], profile=profile)
+    state = pool.prefill(a.name, SAMPLE_TEXT, tenant="acme")
+    res = pool.continue_from(state, a2.name, SUFFIX, transport="auto", max_new_tokens=4)
+    ref = pool.native(a2.name, SAMPLE_TEXT, SUFFIX, max_new_tokens=4)
+    assert res.transport == "toy-identity", res.reason
+    assert "toy-identity predicted" in res.reason and res.info == {"method": "identity"}
+    assert (res.first_logits - ref.first_logits).abs().max() < 1e-5
+    assert res.tokens == ref.tokens
+    # the graph draws it in its own colour and the request validator knows its name
+    assert toy.name in transports.names() and pool.graph.calibrated[0].transport == toy.name
+
+
+def test_an_artifact_of_an_unregistered_transport_is_skipped_with_its_reason(tiny_by_family, tmp_path):
+    a, b = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    art = Artifact("nobody-knows", 1, model_binding(a), model_binding(b), {"w": torch.zeros(1)})
+    art.save(tmp_path / "x.safetensors")
+    pool = ModelPool([a, b], artifact_dirs=[tmp_path], profile=Profile())
+    assert pool.graph.calibrated == [] and "unknown transport 'nobody-knows'" in pool.graph.skipped[0]
+
+
+def test_registry_refuses_what_is_not_a_transport_and_silent_replacement(toy):
+    with pytest.raises(transports.UnknownTransport, match="known: self"):
+        transports.get("no-such-transport")
+    with pytest.raises(ValueError, match="not a named ctxrelay Transport"):
+        transports.register(object())
+    with pytest.raises(ValueError, match="already registered"):
+        transports.register(ToyIdentity())  # same name, another object
+    assert transports.get(toy.name) is toy
