@@ -64,3 +64,14 @@ def test_plots_write_png(tmp_path):
     heatmap(tmp_path / "c.png", [[0, 1], [2, 3]], xlabel="x", ylabel="y")
     for name in ("a", "b", "c"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_committed_results_file_validates():
+    from ctxrelay.paths import repo_root
+
+    files = sorted((repo_root() / "benchmarks" / "results").glob("*.json"))
+    assert files
+    for path in files:
+        doc = R.read_results(path)
+        assert doc["command"] and doc["machine"]["torch_threads"] >= 1, path.name
+        R.validate_rows(doc["rows"])

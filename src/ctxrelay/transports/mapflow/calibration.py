@@ -29,6 +29,7 @@ from ctxrelay.errors import CtxrelayError
 from ctxrelay.models import runner
 from ctxrelay.models.capture import CapturePlan, run_capture
 from ctxrelay.models.spec import LoadedModel
+from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.transports.mapflow import diagnose, modes, train
 from ctxrelay.transports.mapflow.reuse import ReuseConfig
 from ctxrelay.transports.mapflow.sparse import BlockMaps, MapCapture, maps_from_tensors
@@ -117,13 +118,12 @@ def split_texts(m: LoadedModel, texts: list, opts: CalibOptions, limit: int, ctx
     out = []
     for text in texts:
         if isinstance(text, str):
-            ids = m.tokenizer(text, add_special_tokens=True, return_tensors="pt")["input_ids"][0]
+            ids = context_ids(m, text)
             if ids.shape[0] >= ctx_tokens + opts.suffix_tokens:
                 out.append((ids[:ctx_tokens].clone(), ids[ctx_tokens : ctx_tokens + opts.suffix_tokens].clone()))
         else:
             context, suffix = text
-            ctx = m.tokenizer(context, add_special_tokens=True, return_tensors="pt")["input_ids"][0]
-            suf = m.tokenizer(suffix, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+            ctx, suf = context_ids(m, context), suffix_ids(m, suffix)
             if ctx_tokens - 48 <= ctx.shape[0] <= ctx_tokens + 64 and suf.shape[0] >= 2:
                 out.append((ctx[:ctx_tokens].clone(), suf[: opts.suffix_tokens].clone()))
         if len(out) == limit:
