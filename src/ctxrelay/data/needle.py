@@ -6,11 +6,11 @@ plain-text suffix (no chat template) that small instruct models answer on one li
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ctxrelay.errors import UsageError
 from ctxrelay.metrics import normalize_tokens, token_f1
+from ctxrelay.text import sentence_boundaries
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,6 @@ class NeedleCase:
     @property
     def prompt(self) -> str:
         return self.context + self.question
-
-
-_BOUNDARY = re.compile(r"(?<=[.!?])\s+|\n+")
-
-
-def sentence_boundaries(text: str) -> list[int]:
-    """Character positions where a new sentence starts (plus 0 and len(text))."""
-    cuts = {0, len(text)}
-    cuts.update(m.end() for m in _BOUNDARY.finditer(text))
-    return sorted(cuts)
 
 
 def insert_at_depth(haystack: str, fact: str, depth: float) -> tuple[str, int]:

@@ -25,6 +25,7 @@ class AttnCall:
     window: int | None  # sliding window (keys with q_pos - k_pos < window are visible)
     softcap: float | None
     positions: torch.Tensor | None = None  # [T] absolute query positions when not q_start.. in a row
+    key_mask: torch.Tensor | None = None  # [S] bool: keys these queries may see at all (None: every key)
 
     @property
     def query_positions(self) -> torch.Tensor:
@@ -59,15 +60,22 @@ def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+def call_mask(c: AttnCall, rows: slice | None = None) -> torch.Tensor:
+    """Boolean [T, S] (or [rows, S]) of what each query may attend (by position, window, key mask)."""
+    qpos = c.query_positions if rows is None else c.query_positions[rows]
+    mask = positions_mask(qpos, c.k.shape[2], c.window)
+    return mask if c.key_mask is None else mask & c.key_mask.to(mask.device)[None, :]
+
+
 def native_attention(c: AttnCall) -> torch.Tensor:
     """The model's own attention: SDPA (flash/efficient kernels where possible)."""
     if c.softcap is not None:
         return eager_attention(c)
     t, s = c.q.shape[2], c.k.shape[2]
     gqa = c.q.shape[1] != c.k.shape[1]
-    if c.positions is None and c.q_start == 0 and c.window is None and t == s:
+    if c.positions is None and c.key_mask is None and c.q_start == 0 and c.window is None and t == s:
         return F.scaled_dot_product_attention(c.q, c.k, c.v, is_causal=True, scale=c.scale, enable_gqa=gqa)
-    mask = positions_mask(c.query_positions, s, c.window)
+    mask = call_mask(c)
     return F.scaled_dot_product_attention(c.q, c.k, c.v, attn_mask=mask, scale=c.scale, enable_gqa=gqa)
 
 
@@ -78,8 +86,7 @@ def attention_logits(c: AttnCall, rows: slice | None = None) -> torch.Tensor:
     scores = (q @ k.transpose(-1, -2)) * c.scale
     if c.softcap is not None:
         scores = torch.tanh(scores / c.softcap) * c.softcap
-    qpos = c.query_positions if rows is None else c.query_positions[rows]
-    mask = positions_mask(qpos, k.shape[1], c.window)
+    mask = call_mask(c, rows)
     return scores.masked_fill(~mask, float("-inf"))
 
 

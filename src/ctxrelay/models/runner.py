@@ -110,7 +110,7 @@ class Capture:
 class ForwardOut:
     logits: torch.Tensor | None  # [T, V] ("all"), [1, V] ("last") or None
     cache: KVCache
-    hidden: torch.Tensor | None = None  # final-norm hidden states [1, T, D] when asked
+    hidden: torch.Tensor | None = None  # last layer's output [1, T, D] before the final norm
 
 
 # ---- per-layer steps --------------------------------------------------------------------------
@@ -173,9 +173,11 @@ def project_v(m: LoadedModel, i: int, x: torch.Tensor) -> torch.Tensor:
     return _heads(layers(m)[i].self_attn.v_proj(x), m.spec.head_dim)
 
 
-def attn_call(m: LoadedModel, i: int, q, k, v, q_start: int, positions: torch.Tensor | None = None) -> AttnCall:
+def attn_call(
+    m: LoadedModel, i: int, q, k, v, q_start: int, positions: torch.Tensor | None = None, key_mask=None
+) -> AttnCall:
     s = m.spec
-    return AttnCall(i, q, k, v, q_start, s.attn_scale, s.sliding_windows[i], s.softcap, positions)
+    return AttnCall(i, q, k, v, q_start, s.attn_scale, s.sliding_windows[i], s.softcap, positions, key_mask)
 
 
 def layer_output(m: LoadedModel, i: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -226,6 +228,7 @@ def forward(
     cache: KVCache | None = None,
     *,
     positions: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
     attention: Mapping[int, AttnFn] | None = None,
     capture: Capture | None = None,
     logits: Literal["last", "all", "none"] = "last",
@@ -235,6 +238,7 @@ def forward(
     `positions` ([T], optional) places the tokens at explicit, possibly scattered positions: their
     K/V are written there (over what the cache held) and each query attends by position, causally,
     to the whole cache (sliding windows by position too). Default: appended after the cache.
+    `key_mask` ([cache length after the call] bool, optional) hides the False keys from every query.
     `attention` replaces the attention of chosen layers; `capture` records sender state.
     """
     ids = ids.view(1, -1).to(m.device)
@@ -259,7 +263,7 @@ def forward(
                 capture.vals.append(v[0].transpose(0, 1).clone())
         cache.write(i, where, finish_keys(m, i, k_raw, rope), v)
         k_all, v_all = cache.view(i, end)
-        call = attn_call(m, i, q, k_all, v_all, start, qpos)
+        call = attn_call(m, i, q, k_all, v_all, start, qpos, key_mask)
         if i in attention:
             out = attention[i](call)
         elif (
@@ -273,7 +277,7 @@ def forward(
         h = layer_output(m, i, h, out)
     cache.length = end
     out_logits = None if logits == "none" else head(m, h, logits)
-    return ForwardOut(out_logits, cache)
+    return ForwardOut(out_logits, cache, h)
 
 
 @torch.inference_mode()

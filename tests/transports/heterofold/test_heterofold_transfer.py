@@ -5,18 +5,14 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import SAMPLE_TEXT
-from ctxrelay.artifact import Artifact, model_binding
+from conftest import SAMPLE_TEXT, zero_artifact
 from ctxrelay.errors import BindingError
 from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state
 from ctxrelay.models.tiny import tiny_model
 from ctxrelay.models.tokens import tokenize_context
 from ctxrelay.transports.base import TIMING_KEYS
-from ctxrelay.transports.heterofold import ARTIFACT_VERSION, TRANSPORT, identity_artifact, relay_prefill
-from ctxrelay.transports.heterofold.align import layer_sources
-from ctxrelay.transports.heterofold.maps import AffineMap, FoldMaps
-from ctxrelay.transports.heterofold.transfer import pair_params
+from ctxrelay.transports.heterofold import ARTIFACT_VERSION, identity_artifact, relay_prefill
 
 TOL = 1e-4
 # a mid-text special token ("<eos>") is computed natively too, not translated
@@ -57,27 +53,10 @@ def test_empty_suffix_runs_the_last_context_token_natively(tiny):
     assert steps <= set(out.timings) <= set(TIMING_KEYS) and all(v >= 0 for v in out.timings.values())
 
 
-def _zero_artifact(sender, receiver):
-    """Cross-family artifact whose maps output zeros: whatever survives is native (the sink)."""
-    sources = layer_sources(sender.spec.num_layers, receiver.spec.num_layers)
-    dx = 3 * sender.spec.num_kv_heads * sender.spec.head_dim
-    dy = receiver.spec.num_kv_heads * receiver.spec.head_dim
-    zero = AffineMap(torch.zeros(dy), weight=torch.zeros(dx, dy))
-    maps = FoldMaps(sources, {"k": [zero] * len(sources), "v": [zero] * len(sources)})
-    return Artifact(
-        TRANSPORT,
-        ARTIFACT_VERSION,
-        model_binding(sender),
-        model_binding(receiver),
-        maps.to_tensors(),
-        pair_params(sender, receiver, sources, method="zero", pairing="ta"),
-    )
-
-
 def test_cross_family_sink_is_native_and_specials_native(tiny_by_family):
     sender, receiver = tiny_by_family["llama"], tiny_by_family["gemma3"]
     state = capture_state(sender, CONTEXT, "t")
-    out = relay_prefill(receiver, state, _zero_artifact(sender, receiver), _suffix(receiver))
+    out = relay_prefill(receiver, state, zero_artifact(sender, receiver), _suffix(receiver))
     ids = tokenize_context(receiver, CONTEXT)[0]
     native = runner.forward(receiver, ids[:1], logits="none").cache
     for i in range(receiver.spec.num_layers):
@@ -89,7 +68,7 @@ def test_cross_family_sink_is_native_and_specials_native(tiny_by_family):
 def test_bindings_are_refused(tiny_by_family):
     llama, qwen, gemma = (tiny_by_family[f] for f in ("llama", "qwen2", "gemma3"))
     state = capture_state(llama, CONTEXT, "t")
-    art = _zero_artifact(llama, gemma)
+    art = zero_artifact(llama, gemma)
     suffix = _suffix(gemma)
     with pytest.raises(BindingError, match="receiver"):
         relay_prefill(qwen, state, art, suffix)  # artifact calibrated for another receiver

@@ -25,6 +25,8 @@ from ctxrelay.timing import Stopwatch
 from ctxrelay.transports.base import RelayOutput, check_edge
 from ctxrelay.transports.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
 from ctxrelay.transports.heterofold.maps import FoldMaps, translate
+from ctxrelay.transports.heterofold.recompute import recompute as recompute_positions
+from ctxrelay.transports.heterofold.recompute import select
 
 TRANSPORT = "heterofold"
 ARTIFACT_VERSION = 1
@@ -108,11 +110,18 @@ def relay_prefill(
     suffix_ids: torch.Tensor,
     *,
     logits: Literal["last", "all"] = "last",
+    recompute: float = 0.0,
+    selection: str = "mix",
+    query: str | None = None,
+    attend: str = "all",
 ) -> RelayOutput:
     """Receiver cache for `state.text` from the sender's K/V, then `suffix_ids` natively.
 
-    With an empty suffix the last context token runs natively so there are next-token logits.
-    logits="all" returns logits for every suffix position (quality benchmarks); the contract is "last".
+    recompute = f > 0: after translation the receiver recomputes its own K/V for a share f of the
+    context tokens chosen by `selection` (recompute.py; `query` is the appended span's text, default
+    the decoded suffix), through all layers; f = 1 is native prefill. With an empty suffix the last
+    context token runs natively so there are next-token logits. logits="all" returns logits for every
+    suffix position (quality benchmarks); the contract is "last".
     """
     sw = Stopwatch()
     with sw("translate_s"):
@@ -126,6 +135,15 @@ def relay_prefill(
                 raise ValueError("nothing to run: the context text and the suffix are both empty")
             ids, offsets, suffix = ids[:-1], offsets[:-1], ids[-1:]
     cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw)
+    picked = None
+    if recompute > 0 and ids.numel():
+        with sw("select_s"):
+            q = query if query is not None else receiver.tokenizer.decode(suffix)
+            picked = select(receiver, selection, recompute, ids, offsets, state.text, q, cache, al.native)
+        with sw("recompute_s"):
+            before = _sample_kv(cache, picked.positions)
+            rec = recompute_positions(receiver, ids, cache, picked.positions, attend)
+            signals = _signals(receiver, ids, cache, picked.positions, before, rec.hidden)
     with sw("first_token_s"):
         out = runner.forward(receiver, suffix, cache, logits=logits)
         first = int(out.logits[-1].argmax())
@@ -138,8 +156,48 @@ def relay_prefill(
         "exact_boundaries": al.exact,
         "char_mismatch": al.char_mismatch,
         "first_token": first,
+        "first_token_p": float(torch.softmax(out.logits[-1].float(), -1).max()),
     }
+    if picked is not None:
+        info.update(
+            recompute_fraction=picked.positions.numel() / max(1, ids.numel()),
+            selection=picked.rule,
+            attend=attend,
+            recomputed=int(picked.positions.numel()),
+            **picked.info,
+            **signals,
+        )
     return RelayOutput(out.cache, out.logits, sw.timings, info)
+
+
+def _sample_kv(cache: KVCache, positions: torch.Tensor, layers: int = 4) -> list[tuple]:
+    """The translated K/V at `positions` of a few layers spread over the depth (before recompute)."""
+    n = len(cache.keys)
+    picks = sorted({round(i * (n - 1) / max(1, layers - 1)) for i in range(layers)})
+    return [(j, cache.keys[j][:, :, positions].clone(), cache.values[j][:, :, positions].clone()) for j in picks]
+
+
+TAIL = 32  # recency positions whose teacher-forced next-token prediction is scored
+
+
+def _signals(m: LoadedModel, ids, cache: KVCache, positions, before, hidden) -> dict:
+    """Cheap per-request signals of how close this relay is to native (candidates for the estimate):
+    the relative K/V change recompute made at sampled layers, and the receiver's confidence and NLL
+    predicting the context's last tokens (when they were recomputed)."""
+    dev = []
+    for j, k0, v0 in before:
+        k1, v1 = cache.keys[j][:, :, positions], cache.values[j][:, :, positions]
+        dev.append(float(((k1 - k0).norm() + (v1 - v0).norm()) / (k1.norm() + v1.norm()).clamp_min(1e-9)))
+    out = {"kv_change": sum(dev) / len(dev)}
+    t = ids.shape[0]
+    n = min(TAIL, t - 1)
+    tail = torch.arange(t - 1 - n, t - 1)
+    if n > 0 and bool(torch.isin(tail, positions).all()):
+        rows = torch.searchsorted(positions, tail)
+        lp = torch.log_softmax(runner.head(m, hidden[:, rows], "all").float(), -1)
+        out["tail_nll"] = float(-lp.gather(1, ids[tail + 1][:, None]).mean())
+        out["tail_confidence"] = float(lp.max(-1).values.exp().mean())
+    return out
 
 
 def make_artifact(

@@ -1,0 +1,184 @@
+"""Selective recompute over the translated cache: heterofold's faithful mode.
+
+After translation the receiver recomputes its own K/V, through all its layers, for a chosen share
+f of the context tokens and writes them over the translated ones (CacheBlend's mechanism, here
+across model families). The recomputed tokens' queries attend by position to the cache of
+translated + recomputed entries (attend="all"), or only to the recomputed ones and the sink
+(attend="own"). f = 0 is plain heterofold; f = 1 recomputes every token in one pass: the
+receiver's native prefill exactly.
+
+Which tokens decides everything (the query is the appended span, or with none the context's last
+sentence):
+  deviation  largest K/V deviation at layer 1 after a native layer 0 for every token (CacheBlend)
+  lexical    whole sentences ranked by BM25 against the query's content words
+  embedding  whole sentences ranked by cosine to the query in the receiver's input embeddings
+  recency    the last tokens of the context
+  mix        a recency window (a quarter of the budget) + lexical sentences for the rest
+  adaptive   the recency window + the sentences scoring at least half the best BM25 score, while
+             they fit: the matches decide f (f is a cap; the best match always goes in)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from rank_bm25 import BM25Okapi
+
+from ctxrelay.errors import UsageError
+from ctxrelay.models import runner
+from ctxrelay.models.attention import native_attention
+from ctxrelay.models.runner import KVCache
+from ctxrelay.models.spec import LoadedModel
+from ctxrelay.text import content_words, sentence_spans
+
+RULES = ("deviation", "lexical", "embedding", "recency", "mix", "adaptive")
+RECENCY_SHARE = 0.25  # of the budget, in mix and adaptive
+MATCH_RATIO = 0.5  # adaptive: sentences scoring >= this share of the best BM25 score
+
+
+@dataclass
+class Selection:
+    positions: torch.Tensor  # sorted receiver positions to recompute (native positions included)
+    rule: str
+    info: dict = field(default_factory=dict)
+
+
+def query_text(context: str, query: str | None) -> str:
+    """What relevance is judged against: the appended span, else the context's last sentence."""
+    if query and content_words(query):
+        return query
+    spans = sentence_spans(context)
+    return context[spans[-1][0] : spans[-1][1]] if spans else ""
+
+
+def sentence_tokens(offsets: torch.Tensor, text: str) -> list[torch.Tensor]:
+    """Receiver token positions of each sentence of `text` (a token belongs where its span ends)."""
+    ends = offsets[:, 1]
+    spans = sentence_spans(text)
+    bounds = torch.tensor([a for a, _ in spans] + [len(text) + 1])
+    which = torch.bucketize(ends - 1, bounds, right=True) - 1  # sentence index of each token's last char
+    keep = (offsets[:, 1] > offsets[:, 0]) & (which >= 0) & (which < len(spans))
+    idx = torch.arange(offsets.shape[0])
+    return [idx[keep & (which == s)] for s in range(len(spans))]
+
+
+def _take_sentences(groups: list[torch.Tensor], scores: list[float], budget: int) -> list[torch.Tensor]:
+    """Best-scoring sentences (score > 0) while they fit the budget (the best one always)."""
+    taken, used = [], 0
+    for s in sorted(range(len(groups)), key=lambda i: -scores[i]):
+        if scores[s] <= 0 or not groups[s].numel():
+            break
+        if taken and used + groups[s].numel() > budget:
+            continue
+        taken.append(groups[s])
+        used += groups[s].numel()
+        if used >= budget:
+            break
+    return taken
+
+
+def bm25_scores(groups_text: list[str], query: str) -> list[float]:
+    docs = [content_words(t) or ["\x00"] for t in groups_text]
+    q = content_words(query)
+    if not q:
+        return [0.0] * len(docs)
+    return [float(x) for x in BM25Okapi(docs).get_scores(q)]
+
+
+def embedding_scores(m: LoadedModel, ids: torch.Tensor, groups: list[torch.Tensor], query_ids: torch.Tensor):
+    emb = m.hf.get_input_embeddings()
+    if not query_ids.numel():
+        return [0.0] * len(groups)
+    q = emb(query_ids).float().mean(0)
+    out = []
+    for g in groups:
+        v = emb(ids[g]).float().mean(0) if g.numel() else torch.zeros_like(q)
+        out.append(float(torch.nn.functional.cosine_similarity(v, q, dim=0)) if g.numel() else 0.0)
+    return out
+
+
+@torch.inference_mode()
+def layer1_deviation(m: LoadedModel, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """CacheBlend's signal: run layer 0 natively for every context token (its K/V replace the
+    translated ones, as CacheBlend does) and return each token's K+V deviation at layer 1 [T]."""
+    t = ids.shape[0]
+    h = runner.embed(m, ids.view(1, -1))
+    rope = runner.rope_tables(m, torch.arange(t), h)
+    x = runner.attn_input(m, 0, h)
+    q, k, v = runner.project_q(m, 0, x, rope), runner.project_k_raw(m, 0, x), runner.project_v(m, 0, x)
+    k = runner.finish_keys(m, 0, k, rope)
+    cache.write(0, slice(0, t), k, v)
+    h = runner.layer_output(m, 0, h, native_attention(runner.attn_call(m, 0, q, k, v, 0)))
+    if m.spec.num_layers < 2:
+        return torch.zeros(t)
+    x = runner.attn_input(m, 1, h)
+    k1 = runner.finish_keys(m, 1, runner.project_k_raw(m, 1, x), rope)
+    v1 = runner.project_v(m, 1, x)
+    kt, vt = cache.view(1, t)
+    return ((k1 - kt).float().pow(2).sum((0, 1, 3)) + (v1 - vt).float().pow(2).sum((0, 1, 3))).sqrt()
+
+
+def select(
+    m: LoadedModel,
+    rule: str,
+    fraction: float,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    text: str,
+    query: str | None,
+    cache: KVCache,
+    native: list[int],
+) -> Selection:
+    """The receiver positions to recompute for `fraction` of the context under `rule`."""
+    if rule not in RULES:
+        raise UsageError(f"unknown recompute selection {rule!r}; use one of {', '.join(RULES)}")
+    if not 0.0 <= fraction <= 1.0:
+        raise UsageError(f"recompute fraction must be in [0, 1], got {fraction}")
+    t = ids.shape[0]
+    budget = round(fraction * t)
+    info: dict = {"requested_fraction": fraction}
+    if budget == 0:
+        return Selection(torch.zeros(0, dtype=torch.long), rule, info)
+    if budget >= t:
+        return Selection(torch.arange(t), rule, info)
+    chosen: list[torch.Tensor] = []
+    if rule in ("recency", "mix", "adaptive"):
+        window = budget if rule == "recency" else max(1, round(RECENCY_SHARE * budget))
+        chosen.append(torch.arange(t - window, t))
+        budget -= window
+    if rule == "deviation":
+        dev = layer1_deviation(m, ids, cache)
+        dev[torch.tensor(native, dtype=torch.long)] = float("inf")  # computed natively anyway
+        chosen.append(dev.topk(min(t, budget + len(native))).indices)
+    elif rule in ("lexical", "mix", "adaptive", "embedding"):
+        groups = sentence_tokens(offsets, text)
+        q = query_text(text, query)
+        if rule == "embedding":
+            q_ids = torch.tensor(m.tokenizer(q, add_special_tokens=False)["input_ids"], dtype=torch.long)
+            scores = embedding_scores(m, ids, groups, q_ids)
+        else:
+            scores = bm25_scores([text[a:b] for a, b in sentence_spans(text)], q)
+        if rule == "adaptive":  # only the matches: they decide f, the fraction caps it
+            best = max(scores, default=0.0)
+            scores = [s if best > 0 and s >= MATCH_RATIO * best else 0.0 for s in scores]
+        taken = _take_sentences(groups, scores, budget)
+        info["sentences"] = len(taken)
+        chosen += taken
+    pos = torch.unique(torch.cat([*chosen, torch.tensor(native, dtype=torch.long)]))
+    return Selection(pos, rule, info)
+
+
+@torch.inference_mode()
+def recompute(m: LoadedModel, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor, attend: str = "all"):
+    """Overwrite the cache at `positions` with the receiver's own K/V, all layers, in one pass.
+
+    attend="all": each recomputed query sees translated + recomputed entries before it;
+    attend="own": only recomputed entries (and the native sink among them)."""
+    if attend not in ("all", "own"):
+        raise UsageError(f"recompute attend must be 'all' or 'own', not {attend!r}")
+    key_mask = None
+    if attend == "own":
+        key_mask = torch.zeros(cache.length, dtype=torch.bool)
+        key_mask[positions] = True
+    return runner.forward(m, ids[positions], cache, positions=positions, key_mask=key_mask, logits="none")

@@ -1,0 +1,98 @@
+"""heterofold's selective recompute: f = 1 is native prefill, f = 0 is plain heterofold, the rules pick
+what they say, and the timing components still add up."""
+
+import pytest
+import torch
+
+from conftest import SAMPLE_TEXT, zero_artifact
+from ctxrelay.errors import UsageError
+from ctxrelay.models import runner
+from ctxrelay.models.capture import capture_state
+from ctxrelay.models.tokens import context_ids, suffix_ids, tokenize_context
+from ctxrelay.transports.heterofold import relay_prefill
+from ctxrelay.transports.heterofold.recompute import RULES, query_text, select, sentence_tokens
+
+TOL = 1e-4
+FACT = "The access code for the Wrenfield server room is 4172."
+CONTEXT = SAMPLE_TEXT[:200] + " " + FACT + " " + SAMPLE_TEXT[200:]
+QUESTION = " Question: What is the access code for the Wrenfield server room? Answer:"
+PAIRS = [("llama", "gemma3"), ("gemma3", "qwen2"), ("qwen2", "llama")]  # every family as a receiver
+
+
+def _native(receiver, text, suffix):
+    return runner.forward(receiver, torch.cat([context_ids(receiver, text), suffix]), logits="all")
+
+
+@pytest.mark.parametrize(("s", "r"), PAIRS)
+@pytest.mark.parametrize("attend", ["all", "own"])
+def test_recomputing_every_token_reproduces_native_prefill(tiny_by_family, s, r, attend):
+    sender, receiver = tiny_by_family[s], tiny_by_family[r]
+    state = capture_state(sender, CONTEXT, "t")
+    suffix = suffix_ids(receiver, QUESTION)
+    native = _native(receiver, CONTEXT, suffix).logits[-len(suffix) :]
+    art = zero_artifact(sender, receiver)  # the translation is wrong everywhere: only recompute can fix it
+    for rule in RULES:
+        out = relay_prefill(receiver, state, art, suffix, logits="all", recompute=1.0, selection=rule, attend=attend)
+        assert (out.logits - native).abs().max() < TOL, rule
+        assert out.info["recompute_fraction"] == 1.0
+    plain = relay_prefill(receiver, state, art, suffix, logits="all")
+    assert (plain.logits - native).abs().max() > 1e-2  # the zero maps do change the answer
+
+
+@pytest.mark.parametrize(("s", "r"), PAIRS)
+def test_no_recompute_is_plain_heterofold(tiny_by_family, s, r):
+    sender, receiver = tiny_by_family[s], tiny_by_family[r]
+    state = capture_state(sender, CONTEXT, "t")
+    suffix = suffix_ids(receiver, QUESTION)
+    art = zero_artifact(sender, receiver)
+    a = relay_prefill(receiver, state, art, suffix, logits="all")
+    b = relay_prefill(receiver, state, art, suffix, logits="all", recompute=0.0, selection="deviation")
+    assert torch.equal(a.logits, b.logits) and "selection" not in b.info
+    assert set(b.timings) == {"translate_s", "copy_s", "assemble_s", "first_token_s"}
+
+
+def test_partial_recompute_moves_toward_native_and_times_every_part(tiny_by_family):
+    sender, receiver = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    state = capture_state(sender, CONTEXT, "t")
+    suffix = suffix_ids(receiver, QUESTION)
+    native = _native(receiver, CONTEXT, suffix).logits[-len(suffix) :]
+    art = zero_artifact(sender, receiver)
+    errs = []
+    for f in (0.0, 0.3, 0.7, 1.0):
+        out = relay_prefill(receiver, state, art, suffix, logits="all", recompute=f, selection="recency")
+        errs.append(float((out.logits - native).abs().mean()))
+        if f:
+            assert {"select_s", "recompute_s"} <= set(out.timings)
+            assert 0 < out.info["recompute_fraction"] <= f + 0.05  # + the natively computed sink
+            assert out.info["kv_change"] >= 0 and "tail_nll" in out.info
+    assert errs[0] > errs[1] > errs[2] > errs[3] and errs[3] < TOL
+
+
+def test_lexical_rules_pick_the_sentence_the_question_asks_about(tiny_by_family):
+    m = tiny_by_family["qwen2"]
+    ids, offsets = tokenize_context(m, CONTEXT)
+    cache = runner.forward(m, ids, logits="none").cache
+    fact = [i for i, g in enumerate(sentence_tokens(offsets, CONTEXT)) if g.numel()]
+    groups = sentence_tokens(offsets, CONTEXT)
+    fact_tokens = next(g for i, g in enumerate(groups) if i in fact and "4172" in m.tokenizer.decode(ids[g]))
+    for rule in ("lexical", "mix", "adaptive"):
+        sel = select(m, rule, 0.3, ids, offsets, CONTEXT, QUESTION, cache, [0])
+        assert bool(torch.isin(fact_tokens, sel.positions).all()), rule
+        assert sel.positions.numel() <= round(0.3 * len(ids)) + 1 + fact_tokens.numel()
+    rec = select(m, "recency", 0.1, ids, offsets, CONTEXT, QUESTION, cache, [0])
+    assert int(rec.positions.max()) == len(ids) - 1 and 0 in rec.positions.tolist()
+
+
+def test_the_query_defaults_to_the_contexts_last_sentence():
+    assert query_text("First sentence. What is the code?", "") == "What is the code?"
+    assert query_text("First sentence.", " Answer: the code") == " Answer: the code"
+
+
+def test_bad_recompute_options_are_clear(tiny_by_family):
+    m = tiny_by_family["llama"]
+    ids, offsets = tokenize_context(m, CONTEXT)
+    cache = runner.forward(m, ids, logits="none").cache
+    with pytest.raises(UsageError, match="unknown recompute selection"):
+        select(m, "magic", 0.1, ids, offsets, CONTEXT, "", cache, [0])
+    with pytest.raises(UsageError, match=r"in \[0, 1\]"):
+        select(m, "recency", 1.5, ids, offsets, CONTEXT, "", cache, [0])
