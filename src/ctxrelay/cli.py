@@ -23,14 +23,11 @@ def user_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from ctxrelay.errors import UsageError
-        from ctxrelay.state import BindingError
-        from ctxrelay.tensorfile import TensorFileError
-        from ctxrelay.zoo import ZooError
+        from ctxrelay.errors import CtxrelayError
 
         try:
             return fn(*args, **kwargs)
-        except (UsageError, BindingError, TensorFileError, ZooError, ValueError, FileNotFoundError) as e:
+        except (CtxrelayError, FileNotFoundError) as e:
             if os.environ.get("CTXRELAY_DEBUG"):
                 raise
             console.print(f"[red]error:[/] {e}")

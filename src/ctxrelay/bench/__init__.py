@@ -16,6 +16,7 @@ BENCHES = {
     "heterofold": "ctxrelay.bench.heterofold",
     "heterofold-limits": "ctxrelay.bench.heterofold_limits",
     "decode": "ctxrelay.bench.decode",
+    "heterofold-frontier": "ctxrelay.bench.heterofold_frontier",
 }
 
 

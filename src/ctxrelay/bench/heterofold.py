@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from ctxrelay.bench.heterofold_report import file_sha, plot, reusable_rows, summarize
 from ctxrelay.bench.results import write_results
+from ctxrelay.bench.states import cached_sender_states
 from ctxrelay.data.datasets import conversation_text, essay_haystack, sharegpt_conversations
 from ctxrelay.data.needle import make_needle_case, score_answer
 from ctxrelay.errors import UsageError
@@ -116,25 +117,6 @@ def _bench_options(options: dict | None) -> dict:
     return opts
 
 
-def _sender_states(name: str, cases: list[Case]) -> dict[int, Path]:
-    """Sender ContextStates of every case, prefilled once and cached on disk (the sender's prefill
-    happened anyway in a real pipeline: it is not part of the receiver's TTFT)."""
-    from ctxrelay import zoo
-    from ctxrelay.state import capture_state
-    from ctxrelay.transports.heterofold.data import text_key
-
-    root = zoo.cache_dir() / "heterofold" / "bench-states" / Path(name).name
-    paths = {i: root / f"{text_key(c.context)}.safetensors" for i, c in enumerate(cases)}
-    missing = [i for i, p in paths.items() if not p.exists()]
-    if missing:
-        m = zoo.load(name)
-        for i in tqdm(missing, desc=f"sender states {m.name}", unit="ctx"):
-            capture_state(m, cases[i].context, tenant="bench")[0].save(paths[i])
-        del m
-        gc.collect()
-    return paths
-
-
 def _artifact(sender: str, receiver: str, method: str, opts: dict):
     from ctxrelay.artifact import Artifact
     from ctxrelay.transports import heterofold
@@ -160,10 +142,9 @@ class NativeRef:
 
 def _native_ref(r, case: Case, opts: dict) -> NativeRef:
     from ctxrelay.models import runner
-    from ctxrelay.state import tokenize_with_offsets
-    from ctxrelay.transports.heterofold.quality import suffix_ids
+    from ctxrelay.models.tokens import context_ids, suffix_ids
 
-    ctx = tokenize_with_offsets(r, case.context)[0]
+    ctx = context_ids(r, case.context)
     cont = suffix_ids(r, case.continuation)[: int(opts["continuation"])]
     q = suffix_ids(r, case.question)
     pre = runner.forward(r, ctx, logits="none")
@@ -235,7 +216,7 @@ def bench(
     command = command or f"ctxrelay bench heterofold --lengths {','.join(map(str, lengths))} --repeats {repeats}"
     ref_tok = AutoTokenizer.from_pretrained(str(zoo.model_dir(opts["ref_tokenizer"])))
     cases = bench_cases(ref_tok, sorted(lengths), datasets, int(opts["continuation"]), int(opts["seed"]))
-    states = {s: _sender_states(s, cases) for s in dict.fromkeys(s for s, _ in dirs)}
+    states = {s: cached_sender_states(s, [c.context for c in cases]) for s in dict.fromkeys(s for s, _ in dirs)}
     arts = {(s, r, m): _artifact(s, r, m, opts) for s, r in dirs for m in methods}
     art_sha = {key: file_sha(p) for key, (p, _) in arts.items()}
     extra = {"options": opts, "lengths": sorted(lengths), "repeats": repeats, "directions": [list(d) for d in dirs]}

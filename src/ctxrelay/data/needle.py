@@ -18,6 +18,7 @@ class Needle:
     fact: str
     question: str
     answer: str
+    paraphrase: str = ""  # the same question in other words (fewer words shared with the fact)
 
 
 NEEDLES: tuple[Needle, ...] = (
@@ -25,41 +26,49 @@ NEEDLES: tuple[Needle, ...] = (
         "The secret passphrase for the Larkspur vault is copper-heron-42.",
         "What is the secret passphrase for the Larkspur vault?",
         "copper-heron-42",
+        "Which passphrase opens the Larkspur vault?",
     ),
     Needle(
         "The lighthouse keeper on Tarrow Island has a grey cat named Biscuit.",
         "What is the name of the cat of the lighthouse keeper on Tarrow Island?",
         "Biscuit",
+        "What is the lighthouse keeper's cat on Tarrow Island called?",
     ),
     Needle(
         "The access code for the Wrenfield server room is 4172.",
         "What is the access code for the Wrenfield server room?",
         "4172",
+        "Which code gives access to the Wrenfield server room?",
     ),
     Needle(
         "Professor Ilsa Varga's favourite fruit is the mangosteen.",
         "What is Professor Ilsa Varga's favourite fruit?",
         "mangosteen",
+        "Which fruit does Professor Ilsa Varga like best?",
     ),
     Needle(
         "The ferry to Pellham Harbor leaves from pier 19.",
         "From which pier does the ferry to Pellham Harbor leave?",
         "pier 19",
+        "What pier does the Pellham Harbor ferry depart from?",
     ),
     Needle(
         "The annual Quillfeather regatta is held in the town of Marrowby.",
         "In which town is the annual Quillfeather regatta held?",
         "Marrowby",
+        "Where does the Quillfeather regatta take place every year?",
     ),
     Needle(
         "Dr. Maren Osei keeps her spare key under a blue ceramic frog.",
         "Where does Dr. Maren Osei keep her spare key?",
         "under a blue ceramic frog",
+        "Where is Dr. Maren Osei's spare key hidden?",
     ),
     Needle(
         "The Halvorsen expedition reached the summit on the 14th of March.",
         "On what date did the Halvorsen expedition reach the summit?",
         "14th of March",
+        "When did the Halvorsen expedition get to the summit?",
     ),
 )
 
@@ -95,15 +104,16 @@ def insert_at_depth(haystack: str, fact: str, depth: float) -> tuple[str, int]:
     return before + sep_before + fact + sep_after + after, pos
 
 
-def make_needle_case(haystack: str, depth: float, seed: int = 0) -> NeedleCase:
-    """One needle-QA case: fact number `seed` (mod the fact count) inserted at `depth`."""
+def make_needle_case(haystack: str, depth: float, seed: int = 0, paraphrase: bool = False) -> NeedleCase:
+    """One needle-QA case: fact number `seed` (mod the fact count) inserted at `depth`; the question
+    as written, or (paraphrase=True) in other words."""
     if not haystack.strip():
         raise UsageError("needle haystack is empty; build one with eval.datasets.essay_haystack")
     needle = NEEDLES[seed % len(NEEDLES)]
     context, pos = insert_at_depth(haystack, needle.fact, depth)
     return NeedleCase(
         context=context,
-        question=QUESTION_FORMAT.format(question=needle.question),
+        question=QUESTION_FORMAT.format(question=needle.paraphrase if paraphrase else needle.question),
         answer=needle.answer,
         depth=pos / len(haystack),
         needle=needle,

@@ -1,0 +1,112 @@
+"""heterofold recompute frontier: resuming a run, the per-point summary, the plot."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from ctxrelay.bench.results import machine_facts, read_results
+from ctxrelay.errors import UsageError
+
+SAME_MACHINE = ("cpu_model", "cores", "torch_threads", "device", "torch")
+
+
+def reusable(out: str, extra: dict) -> list[dict]:
+    """Rows of an earlier run with the same cases, options, repeats and machine (any directions)."""
+    try:
+        doc = read_results(out)
+    except (UsageError, ValueError):
+        return []
+    if any(doc.get(k) != extra[k] for k in ("options", "lengths", "repeats", "cases")):
+        return []
+    now, then = machine_facts(), doc.get("machine", {})
+    if any(now.get(k) != then.get(k) for k in SAME_MACHINE):
+        return []
+    return list(doc["rows"])
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _geo(xs) -> float | None:
+    xs = [x for x in xs if x is not None and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per direction x length x point: needle accuracy (and native's), continuation top-1 / KL /
+    ppl@128 ratio (geometric mean) per dataset, the recompute fraction run, the TTFT speedup."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["sender"], row["receiver"], row["length"], row["selection"], row["f"]), []).append(row)
+    out = []
+    for (s, r, n, rule, f), rs in sorted(groups.items(), key=lambda kv: (kv[0][:3], kv[0][4], kv[0][3])):
+        needles = [x for x in rs if x["dataset"] == "needle"]
+        item = {"sender": s, "receiver": r, "length": n, "selection": rule, "f": f,
+                "recompute_fraction": _mean(x["recompute_fraction"] for x in rs),
+                "needle_acc": _mean(x.get("needle_acc") for x in needles),
+                "native_needle_acc": _mean(x.get("native_needle_acc") for x in needles),
+                "needle_cases": len(needles)}  # fmt: skip
+        for ds, label in (("needle", "essays"), ("sharegpt", "sharegpt")):
+            part = [x for x in rs if x["dataset"] == ds]
+            if part:
+                item[f"{label}_top1"] = _mean(x["top1_agreement"] for x in part)
+                item[f"{label}_kl"] = _mean(x["kl"] for x in part)
+                item[f"{label}_ppl128_ratio"] = _geo(
+                    x["ppl"]["128"] / x["native_ppl"]["128"] for x in part if "128" in x["ppl"]
+                )
+                item[f"{label}_cases"] = len(part)
+        timed = [x for x in rs if "speedup" in x]
+        if timed:
+            item["speedup"] = statistics.median(x["speedup"] for x in timed)
+            item["relay_ttft_s"] = statistics.median(x["relay_ttft_s"] for x in timed)
+            item["native_ttft_s"] = statistics.median(x["native_ttft_s"] for x in timed)
+        out.append({k: v for k, v in item.items() if v is not None})
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """Needle accuracy and top-1 agreement vs TTFT speedup, one column per direction, one line per
+    rule through its fractions (longest length; quality pooled over lengths)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = summarize(rows)
+    dirs = sorted({(x["sender"], x["receiver"]) for x in summary})
+    longest = max(x["length"] for x in summary)
+    fig, axes = plt.subplots(2, len(dirs), figsize=(3.6 * len(dirs), 6.4), dpi=110, squeeze=False)
+    for col, (s, r) in enumerate(dirs):
+        pts = [x for x in summary if (x["sender"], x["receiver"]) == (s, r)]
+        speed = {(x["selection"], x["f"]): x.get("speedup") for x in pts if x["length"] == longest}
+        for row_i, (metric, label) in enumerate((("needle_acc", "needle accuracy"), ("essays_top1", "top-1 (essays)"))):
+            ax = axes[row_i][col]
+            for rule in sorted({x["selection"] for x in pts}):
+                xs, ys = [], []
+                for f in sorted({x["f"] for x in pts if x["selection"] == rule}):
+                    vals = [x[metric] for x in pts if x["selection"] == rule and x["f"] == f and metric in x]
+                    sp = speed.get((rule, f))
+                    if vals and sp:
+                        xs.append(sp)
+                        ys.append(sum(vals) / len(vals))
+                style = {"marker": "*", "ms": 12, "color": "black"} if rule == "none" else {"marker": "o"}
+                ax.plot(xs, ys, label="f = 0" if rule == "none" else rule, **style)
+            if metric == "needle_acc":
+                nat = [x["native_needle_acc"] for x in pts if "native_needle_acc" in x]
+                if nat:
+                    ax.axhline(sum(nat) / len(nat), color="grey", ls="--", lw=1, label="native")
+            ax.set_xscale("log")
+            ax.set_xlabel(f"TTFT speedup at {longest} tokens (x)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{s} -> {r}", fontsize=8)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    out = Path(path).with_suffix(".png")
+    fig.savefig(out)
+    plt.close(fig)
+    return out

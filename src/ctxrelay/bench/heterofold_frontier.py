@@ -1,0 +1,298 @@
+"""`ctxrelay bench heterofold-frontier`: heterofold's selective-recompute frontier.
+
+Per direction and context length: needle cases (8 per length by default: every fact once, at depths
+0.2 / 0.5 / 0.8, the question as written or paraphrased) in held-out essays, each also scored on its
+true continuation (the essay text after the context, teacher-forced); and ShareGPT continuation
+cases. Every point (selection rule, recompute fraction f) of the frontier, plus plain heterofold
+(f = 0) and a native check (f = 1, first case of each length), runs on the same cases against the
+receiver's own native prefill: needle answers (greedy, scored with score_answer), top-1 agreement,
+KL and perplexity of the continuation, and the per-request signals the gate's estimate is fitted on.
+TTFT (translate + select + recompute + suffix + first token) is timed against native prefill in the
+same run on the first needle case of each length. Sender states and native references are cached;
+rows are written as they come and a rerun with the same cases and options resumes.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ctxrelay import paths, tensorfile
+from ctxrelay.bench.frontier_report import plot, reusable, summarize
+from ctxrelay.bench.heterofold import cut_at_tokens, sharegpt_haystack
+from ctxrelay.bench.native import native_ttft
+from ctxrelay.bench.results import write_results
+from ctxrelay.bench.states import cached_sender_states
+from ctxrelay.data.datasets import essay_haystack
+from ctxrelay.data.needle import make_needle_case, score_answer
+from ctxrelay.errors import UsageError
+from ctxrelay.metrics import compare
+from ctxrelay.models import runner
+from ctxrelay.models.tokens import context_ids, suffix_ids
+from ctxrelay.state import ContextState
+from ctxrelay.timing import median_time
+from ctxrelay.transports.heterofold.data import text_key
+
+DIRECTIONS = (
+    ("qwen2.5-coder-1.5b", "smollm2-135m"),
+    ("gemma3-270m", "smollm2-135m"),
+    ("qwen2.5-coder-1.5b", "gemma3-270m"),
+    ("smollm2-135m", "gemma3-270m"),
+    ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"),
+    ("gemma3-270m", "qwen2.5-coder-0.5b"),
+)
+OPTIONS = {
+    "rules": "deviation,lexical,embedding,recency,mix,adaptive",
+    "fractions": "0.05,0.1,0.2,0.3",
+    "exact_check": True,  # f = 1 on the first case of each length: must equal native
+    "needles": 8,  # needle cases per length
+    "sharegpt": 2,  # ShareGPT continuation cases per length
+    "continuation": 129,  # teacher-forced continuation tokens (ppl@128 needs 129)
+    "answer_tokens": 24,
+    "attend": "all",
+    "warmup": 1,
+    "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts
+    "seed": 0,
+    "resume": True,
+}
+
+
+@dataclass
+class Case:
+    kind: str  # "needle" (essay + fact + question, and the essay's continuation) | "sharegpt"
+    length: int
+    index: int
+    context: str
+    continuation: str
+    question: str = ""
+    answer: str = ""
+    depth: float | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}-{self.length}-{self.index}"
+
+
+def build_cases(tokenizer, lengths: Sequence[int], opts: dict) -> list[Case]:
+    cases, seed, cont = [], int(opts["seed"]), int(opts["continuation"])
+    for n in lengths:
+        for i in range(int(opts["needles"])):
+            full = essay_haystack(tokenizer, n + cont + 64, split="heldout", seed=seed + i + 3 * n)
+            context, rest = cut_at_tokens(tokenizer, full, n - 24)  # room for the fact's ~20 tokens
+            nc = make_needle_case(context, (0.2, 0.5, 0.8)[i % 3], seed=seed + i, paraphrase=i % 2 == 1)
+            cases.append(Case("needle", n, i, nc.context, rest, nc.question, nc.answer, nc.depth))
+        for j in range(int(opts["sharegpt"])):
+            context, rest = cut_at_tokens(tokenizer, sharegpt_haystack(tokenizer, n + cont + 64, seed + j + n), n)
+            cases.append(Case("sharegpt", n, j, context, rest))
+    return cases
+
+
+def points(opts: dict) -> list[tuple[str, float]]:
+    from ctxrelay.transports.heterofold.recompute import RULES
+
+    rules = [r for r in str(opts["rules"]).split(",") if r]
+    bad = [r for r in rules if r not in RULES]
+    if bad:
+        raise UsageError(f"unknown recompute rule(s) {bad}; known: {', '.join(RULES)}")
+    fracs = [float(f) for f in str(opts["fractions"]).split(",") if f]
+    if any(not 0 < f < 1 for f in fracs):
+        raise UsageError(f"fractions must lie in (0, 1), got {fracs}")
+    return [("none", 0.0)] + [(r, f) for r in rules for f in fracs]
+
+
+# ---- native references (cached: a native prefill at 4096 tokens is most of a case's cost) ---------
+
+
+@dataclass
+class NativeRef:
+    ctx: torch.Tensor
+    cont: torch.Tensor
+    q: torch.Tensor
+    logprobs: torch.Tensor  # [n-1, V] native log-probs predicting cont[1:]
+    answer: str
+
+
+def native_ref(r, case: Case, opts: dict) -> NativeRef:
+    n, a = int(opts["continuation"]), int(opts["answer_tokens"])
+    key = text_key(f"{case.context}\x00{case.question}\x00{case.continuation}")
+    path = paths.work_dir("heterofold", "frontier-native", r.name) / f"{key}-{n}-{a}-{r.spec.weights_hash[:10]}.st"
+    ctx, cont = context_ids(r, case.context), suffix_ids(r, case.continuation)[:n]
+    q = suffix_ids(r, case.question) if case.question else torch.zeros(0, dtype=torch.long)
+    if path.exists():
+        try:
+            t, manifest = tensorfile.read(path)
+            return NativeRef(ctx, cont, q, t["logprobs"].float(), manifest["answer"])
+        except tensorfile.TensorFileError:
+            path.unlink()
+    pre = runner.forward(r, ctx, logits="none")
+    logits = runner.forward(r, cont, pre.cache.clone(), logits="all").logits[:-1]
+    answer = ""
+    if q.numel():
+        qo = runner.forward(r, q, pre.cache, logits="last")
+        answer = runner.decode(r, qo.cache, qo.logits[-1], time.perf_counter(), a).text
+    lp = torch.log_softmax(logits.float(), -1)
+    tensorfile.write(path, {"logprobs": lp.half()}, {"kind": "frontier_native_ref", "answer": answer})
+    return NativeRef(ctx, cont, q, lp.half().float(), answer)
+
+
+# ---- one relayed point -------------------------------------------------------------------------
+
+
+def relay_point(r, state, art, ref: NativeRef, case: Case, rule: str, f: float, opts: dict) -> dict:
+    from ctxrelay.transports.heterofold import relay_prefill
+
+    kw = {"recompute": f, "selection": rule if f else "mix", "attend": opts["attend"]}
+    t0 = time.perf_counter()
+    out = relay_prefill(r, state, art, ref.cont, logits="all", query="", **kw)  # a continuation: no query
+    row = compare(ref.logprobs, out.logits[:-1], ref.cont[1:], (1, 16, 32, 128))
+    row["continuation_info"] = _signals(out.info)
+    if case.question:
+        qo = relay_prefill(r, state, art, ref.q, **kw)
+        gen = runner.decode(r, qo.cache, qo.logits[-1], time.perf_counter(), int(opts["answer_tokens"]))
+        row.update(answer=gen.text, needle_acc=score_answer(gen.text, case.answer)["exact"])
+        row["question_info"] = _signals(qo.info)
+        row["recompute_fraction"] = qo.info.get("recompute_fraction", 0.0)
+    else:
+        row["recompute_fraction"] = out.info.get("recompute_fraction", 0.0)
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def _signals(info: dict) -> dict:
+    keep = ("recompute_fraction", "recomputed", "sentences", "kv_change", "tail_nll", "tail_confidence")
+    return {k: info[k] for k in (*keep, "first_token_p", "native_positions") if k in info}
+
+
+def time_point(r, state, art, ref: NativeRef, rule: str, f: float, opts: dict, repeats: int) -> dict:
+    from ctxrelay.transports.heterofold import relay_prefill
+
+    kw = {"recompute": f, "selection": rule if f else "mix", "attend": opts["attend"]}
+    outs = []
+
+    def run():
+        t0 = time.perf_counter()
+        o = relay_prefill(r, state, art, ref.q, **kw)
+        int(o.logits[-1].argmax())
+        outs.append((time.perf_counter() - t0, o.timings))
+
+    med, times = median_time(run, repeats, int(opts["warmup"]))
+    timed = outs[int(opts["warmup"]) :]
+    comps = {k: sorted(t[k] for _, t in timed)[len(timed) // 2] for k in timed[0][1]}
+    gap = max(abs(w - sum(t.values())) / w for w, t in timed)
+    return {"relay_ttft_s": med, "relay_times_s": times, "timings": comps, "timing_gap_max": gap}
+
+
+# ---- the benchmark ----------------------------------------------------------------------------------
+
+
+def ref_tokenizer(name: str):
+    """The tokenizer whose counts cut every context (one set of texts shared by all directions)."""
+    from transformers import AutoTokenizer
+
+    from ctxrelay import zoo
+
+    return AutoTokenizer.from_pretrained(str(zoo.model_dir(name)))
+
+
+def _directions(sender: str, receiver: str) -> list[tuple[str, str]]:
+    if not sender and not receiver:
+        return list(DIRECTIONS)
+    ss = [s for s in sender.split(",") if s]
+    rs = [r for r in receiver.split(",") if r]
+    dirs = [(s, r) for s in ss or {d[0] for d in DIRECTIONS} for r in rs or {d[1] for d in DIRECTIONS} if s != r]
+    if not dirs:
+        raise UsageError("no sender -> receiver direction with two different models; check --sender/--receiver")
+    return sorted(dirs)
+
+
+def bench(
+    model: str = "",
+    sender: str = "",
+    receiver: str = "",
+    lengths: Sequence[int] = (2048, 4096),
+    repeats: int = 3,
+    out: str = "heterofold-frontier",
+    options: dict | None = None,
+    command: str = "",
+) -> Path:
+    from ctxrelay import zoo
+    from ctxrelay.artifact import Artifact
+    from ctxrelay.transports.heterofold import ARTIFACT_VERSION, TRANSPORT
+    from ctxrelay.transports.heterofold.calib_data import find_artifact
+
+    if model:
+        raise UsageError("bench heterofold-frontier takes --sender/--receiver (comma lists; empty = the six)")
+    unknown = sorted(set(options or {}) - set(OPTIONS))
+    if unknown:
+        raise UsageError(f"unknown heterofold-frontier option(s) {unknown}; known: {sorted(OPTIONS)}")
+    if not lengths or any(n < 64 for n in lengths) or repeats < 1:
+        raise UsageError(f"lengths must be token counts >= 64 and repeats >= 1 (got {list(lengths)}, {repeats})")
+    opts = {**OPTIONS, **(options or {})}
+    resume = bool(opts.pop("resume"))
+    pts, dirs = points(opts), _directions(sender, receiver)
+    command = command or f"ctxrelay bench heterofold-frontier --lengths {','.join(map(str, lengths))}"
+    cases = build_cases(ref_tokenizer(opts["ref_tokenizer"]), sorted(lengths), opts)
+    arts = {}
+    for s, r in dirs:
+        p = find_artifact(s, r)
+        if not p.exists():
+            raise UsageError(f"no heterofold artifact for {s} -> {r} at {p}: run `ctxrelay calibrate` first")
+        arts[(s, r)] = Artifact.load(p, transport=TRANSPORT, version=ARTIFACT_VERSION)
+    extra = {"options": opts, "lengths": sorted(lengths), "repeats": repeats, "directions": [list(d) for d in dirs]}
+    extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
+    rows = reusable(out, extra) if resume else []
+    done = {_row_key(x) for x in rows}
+    states = {s: cached_sender_states(s, [c.context for c in cases]) for s in dict.fromkeys(s for s, _ in dirs)}
+    firsts = {c.length: c for c in reversed(cases) if c.kind == "needle"}
+    total = len(dirs) * sum(len(pts) + (c is firsts.get(c.length)) * (1 + opts["exact_check"]) for c in cases)
+    bar = tqdm(total=total, desc="heterofold frontier", unit="pt")
+    path = None
+    for rname in dict.fromkeys(r for _, r in dirs):
+        r = zoo.load(rname)
+        for ci, case in enumerate(cases):
+            ref = native_ref(r, case, opts)
+            base = {"receiver": rname, "dataset": case.kind, "length": case.length, "case": case.index,
+                    "context_tokens": int(ref.ctx.numel())}  # fmt: skip
+            timed = case is firsts.get(case.length)
+            native_ttft_s = None
+            for sname in [s for s, r2 in dirs if r2 == rname]:
+                state = ContextState.load(states[sname][ci])
+                case_pts = pts + ([("recency", 1.0)] if timed and opts["exact_check"] else [])
+                for rule, f in case_pts:
+                    bar.update(1)
+                    key = (sname, rname, case.key, rule, f)
+                    if key in done:
+                        continue
+                    bar.set_postfix_str(f"{sname}->{rname} {case.key} {rule}@{f}")
+                    q = relay_point(r, state, arts[(sname, rname)], ref, case, rule, f, opts)
+                    row = {"transport": "heterofold", "method": "heterofold", "sender": sname, **base,
+                           "selection": rule, "f": f, "case_key": case.key, **q,
+                           "native_answer": ref.answer}  # fmt: skip
+                    if case.question:
+                        row["native_needle_acc"] = score_answer(ref.answer, case.answer)["exact"]
+                    if timed and f < 1.0:
+                        if native_ttft_s is None:
+                            ids = torch.cat([ref.ctx, ref.q])
+                            native_ttft_s = median_time(lambda ids=ids, m=r: native_ttft(m, ids), repeats, 1)[0]
+                        t = time_point(r, state, arts[(sname, rname)], ref, rule, f, opts, repeats)
+                        row.update(native_ttft_s=native_ttft_s, **t, speedup=native_ttft_s / t["relay_ttft_s"])
+                    rows.append(row)
+                    done.add(key)
+                path = write_results(out, rows, command, {**extra, "complete": False})
+                del state
+        del r
+        gc.collect()
+    bar.close()
+    path = write_results(out, rows, command, {**extra, "complete": True, "summary": summarize(rows)})
+    plot(rows, path)
+    return path
+
+
+def _row_key(row: dict) -> tuple:
+    return row["sender"], row["receiver"], row["case_key"], row["selection"], row["f"]

@@ -1,0 +1,56 @@
+"""`ctxrelay bench heterofold-frontier` end to end on tiny models: rows, the f = 1 check, resume."""
+
+import json
+
+import pytest
+
+from conftest import zero_artifact
+from ctxrelay.bench import heterofold_frontier as hf
+from ctxrelay.errors import UsageError
+from ctxrelay.models.tiny import tiny_tokenizer
+
+
+@pytest.fixture
+def tiny_world(tiny_by_family, tmp_path, monkeypatch):
+    from ctxrelay import zoo
+    from ctxrelay.transports.heterofold import calib_data
+
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    models = {"S": s, "R": r}
+    art = zero_artifact(s, r).save(tmp_path / "art.safetensors")
+    monkeypatch.setattr(zoo, "load", lambda name, **kw: models[name])
+    monkeypatch.setattr(calib_data, "find_artifact", lambda sender, receiver: art)
+    monkeypatch.setattr(hf, "ref_tokenizer", lambda name: tiny_tokenizer("bytelevel"))
+    monkeypatch.setenv("CTXRELAY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CTXRELAY_RESULTS_DIR", str(tmp_path / "results"))
+    return s, r
+
+
+def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path):
+    opts = {"needles": 2, "sharegpt": 1, "rules": "recency,lexical", "fractions": "0.5", "continuation": 17,
+            "answer_tokens": 4}  # fmt: skip
+    path = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts, command="pytest")
+    doc = json.loads(path.read_text())
+    rows = doc["rows"]
+    points = {(x["selection"], x["f"]) for x in rows}
+    assert points == {("none", 0.0), ("recency", 0.5), ("lexical", 0.5), ("recency", 1.0)}
+    assert len(rows) == 3 * 3 + 1  # 3 cases x 3 points + the f = 1 check on the first needle case
+    exact = next(x for x in rows if x["f"] == 1.0)
+    assert exact["top1_agreement"] == 1.0 and exact["kl"] < 1e-6 and exact["needle_acc"] == exact["native_needle_acc"]
+    timed = [x for x in rows if "speedup" in x]
+    assert {(x["selection"], x["f"]) for x in timed} == {("none", 0.0), ("recency", 0.5), ("lexical", 0.5)}
+    assert all(x["timing_gap_max"] < 0.2 for x in timed)
+    assert doc["complete"] and {x["selection"] for x in doc["summary"]} == {"none", "recency", "lexical"}
+    assert path.with_suffix(".png").exists()
+    # a rerun with the same cases and options measures nothing again
+    again = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts, command="pytest")
+    assert json.loads(again.read_text())["rows"] == rows
+
+
+def test_frontier_refuses_bad_options():
+    with pytest.raises(UsageError, match="unknown recompute rule"):
+        hf.points({"rules": "magic", "fractions": "0.1"})
+    with pytest.raises(UsageError, match=r"\(0, 1\)"):
+        hf.points({"rules": "recency", "fractions": "1.0"})
+    with pytest.raises(UsageError, match="unknown heterofold-frontier option"):
+        hf.bench(sender="S", receiver="R", options={"bogus": 1})
