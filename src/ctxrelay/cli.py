@@ -163,8 +163,12 @@ def demo(
     receivers: str = typer.Option("qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
     depth: float = typer.Option(0.5, help="where the fact sits in the essay (0..1)"),
     seed: int = typer.Option(0),
-    max_new_tokens: int = typer.Option(16),
-    quality_threshold: float = typer.Option(0.0, help="minimum calibrated top-1 agreement to relay"),
+    max_new_tokens: int = typer.Option(32, help="answer tokens (at least 24 to score an answer)"),
+    quality_threshold: float = typer.Option(
+        0.9, help="minimum top-1 agreement with native, calibrated and estimated per request (0: gist-only speed)"
+    ),
+    context: str = typer.Option("", help="your own document (a text file) instead of an essay with a planted fact"),
+    question: str = typer.Option("", help="with --context: the question the receivers answer"),
     json_path: str = typer.Option("", "--json", help="also write the rows as JSON here"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
 ) -> None:
@@ -183,6 +187,8 @@ def demo(
         seed=seed,
         max_new_tokens=max_new_tokens,
         quality_threshold=quality_threshold,
+        context_file=Path(context) if context else None,
+        question=question,
     )
     run_demo(cfg, console, Path(json_path) if json_path else None, _command_line())
 
@@ -238,7 +244,7 @@ def serve(
     store: str = typer.Option("memory", help="memory[:SIZE] | disk:PATH | redis://HOST:PORT/DB, joined by '+'"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8321),
-    quality_threshold: float = typer.Option(0.0, help="minimum calibrated top-1 agreement to relay"),
+    quality_threshold: float = typer.Option(0.9, help="minimum top-1 agreement with native (0: gist-only speed)"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
 ) -> None:
     """Serve the relay over HTTP (POST /prefill, POST /continue, GET /graph, /models, /healthz)."""

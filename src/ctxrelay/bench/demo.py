@@ -1,8 +1,9 @@
-"""`ctxrelay demo`: one sender reads a long essay and a question; three receivers answer from its state.
+"""`ctxrelay demo`: one sender reads a long context and a question; three receivers answer from its state.
 
 Per receiver the relay picks a transport (or native prefill) through the gate, and the demo runs the
 receiver's own native prefill beside it in the same process, so every TTFT, speedup and answer
-agreement in the table is measured, not predicted.
+agreement in the table is measured, not predicted. The context is a held-out essay with a planted
+fact (scored against its gold answer), or the user's own document (--context FILE --question TEXT).
 """
 
 from __future__ import annotations
@@ -16,14 +17,21 @@ from rich.table import Table
 
 from ctxrelay.bench.results import machine_facts, validate_rows
 from ctxrelay.data.datasets import essay_haystack
-from ctxrelay.data.needle import first_answer_line, make_needle_case, score_answer
+from ctxrelay.data.needle import QUESTION_FORMAT, first_answer_line, make_needle_case, score_answer
+from ctxrelay.errors import UsageError
 from ctxrelay.metrics import next_token_kl, rouge_l, token_f1
+from ctxrelay.models.tokens import context_ids
 from ctxrelay.relay.api import ModelPool, RelayResult
+from ctxrelay.relay.gate import DEFAULT_QUALITY
 from ctxrelay.relay.profile import profile_pool
 
 DEFAULT_SENDER = "qwen2.5-coder-1.5b"
 DEFAULT_RECEIVERS = ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m")
-TIMING_COLUMNS = ("translate_s", "copy_s", "assemble_s", "first_token_s", "gate_s", "prefill_s")
+TIMING_COLUMNS = (
+    "translate_s", "copy_s", "assemble_s", "select_s", "recompute_s", "rejected_relay_s", "first_token_s",
+    "gate_s", "prefill_s",
+)  # fmt: skip
+TABLE_WIDTH = 100  # readable in a 100-column terminal: short columns, the reasons below the table
 
 
 @dataclass
@@ -33,15 +41,34 @@ class DemoConfig:
     tokens: int = 1024  # sender tokens of essay context
     depth: float = 0.5
     seed: int = 0
-    max_new_tokens: int = 16
+    max_new_tokens: int = 32
     tenant: str = "demo"
-    quality_threshold: float = 0.0
+    quality_threshold: float = DEFAULT_QUALITY
+    context_file: Path | None = None  # the user's own document instead of an essay with a planted fact
+    question: str = ""
     profile_lengths: tuple[int, ...] = field(default=())  # default: tokens/4, tokens/2, tokens
 
 
 def text_for(model, n: int) -> str:
     """Profile texts: training-split essays (never the demo's held-out haystack)."""
     return essay_haystack(model.tokenizer, n, split="train", seed=1)
+
+
+def demo_prompt(cfg: DemoConfig, sender) -> tuple[str, str | None, str]:
+    """(prompt the sender reads, gold answer or None, what the context is)."""
+    if cfg.context_file is not None:
+        if not cfg.question.strip():
+            raise UsageError("--context needs --question: what should the receivers answer about it?")
+        try:
+            text = Path(cfg.context_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read --context {cfg.context_file}: {e}") from None
+        if not text.strip():
+            raise UsageError(f"--context {cfg.context_file} is empty")
+        return text.rstrip() + QUESTION_FORMAT.format(question=cfg.question.strip()), None, str(cfg.context_file)
+    case = make_needle_case(essay_haystack(sender.tokenizer, cfg.tokens, "heldout", cfg.seed), cfg.depth, cfg.seed)
+    what = f"{cfg.tokens}-token held-out essay excerpt, fact at depth {case.depth:.2f}"
+    return case.prompt, case.answer, what
 
 
 def run_demo(cfg: DemoConfig, console: Console, json_path: Path | None, command: str) -> list[dict]:
@@ -52,24 +79,22 @@ def run_demo(cfg: DemoConfig, console: Console, json_path: Path | None, command:
         pool.add(name)
     for line in pool.graph.skipped:
         console.print(f"[yellow]artifact skipped:[/] {line}")
-
-    lengths = list(cfg.profile_lengths) or [max(64, cfg.tokens // 4), max(128, cfg.tokens // 2), cfg.tokens]
+    sender = pool.model(cfg.sender)
+    prompt, gold, what = demo_prompt(cfg, sender)
+    n_prompt = len(context_ids(sender, prompt))
+    lengths = list(cfg.profile_lengths) or sorted({max(64, n_prompt // 4), max(128, n_prompt // 2), n_prompt})
     missing = [m for m in pool.models.values() if m.spec.weights_hash not in pool.profile.native]
-    missing_edges = [e for e in pool.graph.edges if not e.exact and e.key not in pool.profile.edges]
+    missing_edges = [
+        p for e in pool.graph.edges if not e.exact for p in e.points if e.point_key(p) not in pool.profile.edges
+    ]
     if missing or missing_edges:
         console.print(f"measuring the cost model on this machine (once) at {lengths} tokens ...")
         profile_pool(pool, text_for, lengths, repeats=1, only_missing=True)
         pool.profile.save(pool.profile_path)
 
-    sender = pool.model(cfg.sender)
-    case = make_needle_case(essay_haystack(sender.tokenizer, cfg.tokens, "heldout", cfg.seed), cfg.depth, cfg.seed)
-    prompt = case.prompt
-    console.print(f"context: {cfg.tokens}-token held-out essay excerpt, fact at depth {case.depth:.2f}")
-    console.print(f"question: {case.needle.question}   (gold: {case.answer})")
-
+    console.print(f"context: {what}; question and gold answer: {prompt[-160:].strip()!r} / {gold!r}")
     for name in cfg.receivers:  # warm-up: first calls pay one-time allocation costs
         pool.native(name, prompt[:400], max_new_tokens=1)
-
     console.print(f"{cfg.sender} reads the context (native prefill, capturing its state) ...")
     state = pool.prefill(cfg.sender, prompt, tenant=cfg.tenant)
     sender_prefill_s = state.meta["prefill_s"]
@@ -78,26 +103,25 @@ def run_demo(cfg: DemoConfig, console: Console, json_path: Path | None, command:
         f"sender prefill {sender_prefill_s:.1f} s over {state.num_tokens} tokens; "
         f"its own answer: {first_answer_line(own.text)!r}"
     )
-
     rows = []
     for name in cfg.receivers:
         console.print(f"{name}: native prefill, then relay ...")
         native = pool.native(name, prompt, max_new_tokens=cfg.max_new_tokens)
         relay = pool.continue_from(state, name, "", max_new_tokens=cfg.max_new_tokens)
-        rows.append(_row(cfg, state, name, native, relay, case))
-
-    _print_table(console, rows, own, case.answer)
+        rows.append(_row(cfg, state, name, native, relay, gold))
+    print_table(console, rows, gold)
     if json_path is not None:
         validate_rows(rows)
         doc = {"command": command, "machine": machine_facts(), "rows": rows, "sender_prefill_s": sender_prefill_s,
-               "sender_answer": first_answer_line(own.text), "gold": case.answer}  # fmt: skip
+               "sender_answer": first_answer_line(own.text), "gold": gold, "context": what,
+               "quality_threshold": cfg.quality_threshold}  # fmt: skip
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=1) + "\n")
         console.print(f"[green]written:[/] {json_path}")
     return rows
 
 
-def _row(cfg: DemoConfig, state, receiver: str, native: RelayResult, relay: RelayResult, case) -> dict:
+def _row(cfg: DemoConfig, state, receiver: str, native: RelayResult, relay: RelayResult, gold: str | None) -> dict:
     relay_line, native_line = first_answer_line(relay.text), first_answer_line(native.text)
     row = {
         "transport": relay.transport,
@@ -115,35 +139,36 @@ def _row(cfg: DemoConfig, state, receiver: str, native: RelayResult, relay: Rela
         "first_token_agrees": int(int(relay.first_logits.argmax()) == int(native.first_logits.argmax())),
         "answer_rouge_l": rouge_l(relay_line, native_line),
         "answer_token_f1": token_f1(relay_line, native_line),
-        "needle_acc": score_answer(relay.text, case.answer)["exact"],
-        "native_needle_acc": score_answer(native.text, case.answer)["exact"],
         "components_s": relay.components_s,
+        "first_token_kl": next_token_kl(native.first_logits, relay.first_logits),
     }
+    for k in ("recompute_fraction", "selection", "estimate"):
+        if k in relay.info:
+            row[k] = relay.info[k]
+    if gold is not None:
+        row["needle_acc"] = score_answer(relay.text, gold)["exact"]
+        row["native_needle_acc"] = score_answer(native.text, gold)["exact"]
     for k in TIMING_COLUMNS:
         if k in relay.timings:
             row[k] = relay.timings[k]
-    if relay.first_logits is not None and native.first_logits is not None:
-        row["first_token_kl"] = next_token_kl(native.first_logits, relay.first_logits)
     return row
 
 
-def _print_table(console: Console, rows: list[dict], own: RelayResult, gold: str) -> None:
-    table = Table(title=f"receivers answering from the sender's state (gold answer: {gold})", show_lines=True)
-    for col in ("receiver", "transport", "TTFT", "native TTFT", "speedup", "answer (relay)", "answer (native)",
-                "agrees", "why"):  # fmt: skip
-        table.add_column(col, overflow="fold")
+def print_table(console: Console, rows: list[dict], gold: str | None) -> None:
+    title = "receivers answering from the sender's state" + (f" (gold: {gold})" if gold else "")
+    table = Table(title=title, show_lines=True, width=TABLE_WIDTH)
+    for col, width in (("receiver", 12), ("via", 10), ("f", 4), ("TTFT", 6), ("native", 6), ("x", 5),
+                       ("relay answer", 18), ("native answer", 18), ("same", 5)):  # fmt: skip
+        table.add_column(col, overflow="fold", max_width=width)
     for r in rows:
-        agree = "yes" if r["answer"] == r["native_answer"] else f"F1 {r['answer_token_f1']:.2f}"
-        parts = ", ".join(f"{k[:-2]} {r[k]:.2f}" for k in TIMING_COLUMNS if k in r)
-        table.add_row(
-            r["receiver"],
-            r["transport"],
-            f"{r['relay_ttft_s']:.2f} s\n({parts})",
-            f"{r['native_ttft_s']:.2f} s",
-            f"{r['speedup']:.1f}x",
-            r["answer"],
-            r["native_answer"],
-            agree,
-            r["reason"],
-        )
+        same = "yes" if r["answer"] == r["native_answer"] else f"F1 {r['answer_token_f1']:.2f}"
+        if "needle_acc" in r:
+            same += f"\n{'right' if r['needle_acc'] else 'wrong'}"
+        f = f"{r['recompute_fraction']:.2f}" if "recompute_fraction" in r else "-"
+        table.add_row(r["receiver"], r["transport"], f, f"{r['relay_ttft_s']:.2f}", f"{r['native_ttft_s']:.2f}",
+                      f"{r['speedup']:.1f}", r["answer"], r["native_answer"], same)  # fmt: skip
     console.print(table)
+    for i, r in enumerate(rows, 1):
+        parts = ", ".join(f"{k[:-2]} {r[k]:.2f}" for k in TIMING_COLUMNS if k in r)
+        console.print(f"[bold]{i}. {r['receiver']}[/]: {r['reason']}", width=TABLE_WIDTH, soft_wrap=False)
+        console.print(f"   TTFT {r['relay_ttft_s']:.2f} s = {parts}", width=TABLE_WIDTH)

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from ctxrelay.bench.heterofold_report import file_sha, plot, reusable_rows, summarize
 from ctxrelay.bench.results import write_results
 from ctxrelay.bench.states import cached_sender_states
-from ctxrelay.data.datasets import conversation_text, essay_haystack, sharegpt_conversations
+from ctxrelay.data.datasets import conversation_haystack, essay_haystack
 from ctxrelay.data.needle import make_needle_case, score_answer
 from ctxrelay.errors import UsageError
 from ctxrelay.metrics import compare
@@ -61,18 +61,6 @@ def cut_at_tokens(tokenizer, text: str, n: int) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-def sharegpt_haystack(tokenizer, n_tokens: int, seed: int = 0) -> str:
-    """Held-out ShareGPT conversations joined into one long multi-conversation history."""
-    convs = sharegpt_conversations(limit=400, split="heldout", min_chars=2000)
-    if not convs:
-        raise UsageError("no held-out ShareGPT conversations found")
-    text, i = "", seed * 7
-    while len(tokenizer(text, add_special_tokens=False)["input_ids"]) < n_tokens:
-        text = (text + "\n\n" if text else "") + conversation_text(convs[i % len(convs)])
-        i += 1
-    return text
-
-
 def bench_cases(tokenizer, lengths, datasets, continuation: int, seed: int) -> list[Case]:
     """One case per (dataset, length): context cut at `length` tokens, needle at a depth that varies."""
     cases = []
@@ -82,7 +70,7 @@ def bench_cases(tokenizer, lengths, datasets, continuation: int, seed: int) -> l
             if ds == "essays":
                 full = essay_haystack(tokenizer, want, split="heldout", seed=seed + li)
             elif ds == "sharegpt":
-                full = sharegpt_haystack(tokenizer, want, seed=seed + li)
+                full = conversation_haystack(tokenizer, want, split="heldout", seed=seed + li)
             else:
                 raise UsageError(f"unknown bench dataset {ds!r}: use essays and/or sharegpt")
             context, rest = cut_at_tokens(tokenizer, full, n)

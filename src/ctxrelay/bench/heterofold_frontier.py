@@ -25,11 +25,11 @@ from tqdm import tqdm
 
 from ctxrelay import paths, tensorfile
 from ctxrelay.bench.frontier_report import plot, reusable, summarize
-from ctxrelay.bench.heterofold import cut_at_tokens, sharegpt_haystack
+from ctxrelay.bench.heterofold import cut_at_tokens
 from ctxrelay.bench.native import native_ttft
 from ctxrelay.bench.results import write_results
 from ctxrelay.bench.states import cached_sender_states
-from ctxrelay.data.datasets import essay_haystack
+from ctxrelay.data.datasets import conversation_haystack, essay_haystack
 from ctxrelay.data.needle import make_needle_case, score_answer
 from ctxrelay.errors import UsageError
 from ctxrelay.metrics import compare
@@ -88,7 +88,8 @@ def build_cases(tokenizer, lengths: Sequence[int], opts: dict) -> list[Case]:
             nc = make_needle_case(context, (0.2, 0.5, 0.8)[i % 3], seed=seed + i, paraphrase=i % 2 == 1)
             cases.append(Case("needle", n, i, nc.context, rest, nc.question, nc.answer, nc.depth))
         for j in range(int(opts["sharegpt"])):
-            context, rest = cut_at_tokens(tokenizer, sharegpt_haystack(tokenizer, n + cont + 64, seed + j + n), n)
+            full = conversation_haystack(tokenizer, n + cont + 64, "heldout", seed + j + n)
+            context, rest = cut_at_tokens(tokenizer, full, n)
             cases.append(Case("sharegpt", n, j, context, rest))
     return cases
 

@@ -267,3 +267,16 @@ def conversation_text(conv: Conversation) -> str:
     """Plain-text rendering without a chat template: 'User: ...\\n\\nAssistant: ...'."""
     names = {"user": "User", "assistant": "Assistant"}
     return "\n\n".join(f"{names[t.role]}: {t.text}" for t in conv.turns)
+
+
+def conversation_haystack(tokenizer, n_tokens: int, split: Split = "heldout", seed: int = 0) -> str:
+    """ShareGPT conversations of `split` joined into one long multi-conversation history of at least
+    `n_tokens` tokens (order rotated by `seed`)."""
+    convs = sharegpt_conversations(limit=400, split=split, min_chars=2000)
+    if not convs:
+        raise UsageError(f"no {split} ShareGPT conversations found")
+    text, i = "", seed * 7
+    while len(tokenizer(text, add_special_tokens=False)["input_ids"]) < n_tokens:
+        text = (text + "\n\n" if text else "") + conversation_text(convs[i % len(convs)])
+        i += 1
+    return text

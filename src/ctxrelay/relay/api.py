@@ -26,7 +26,7 @@ from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
-from ctxrelay.relay.gate import MIN_SPEEDUP, Decision, decide
+from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP, Decision, decide, reason_for
 from ctxrelay.relay.graph import Profile, TransportGraph
 from ctxrelay.relay.store import StateKey, StateStore, StoreUnavailable, open_store
 from ctxrelay.state import ContextState, content_hash
@@ -62,7 +62,7 @@ class ModelPool:
         store: str | StateStore = "memory",
         artifact_dirs: list[Path] | None = None,
         profile: Profile | Path | None = None,
-        quality_threshold: float = 0.0,
+        quality_threshold: float = DEFAULT_QUALITY,
         overhead_s: float = 0.0,
         min_speedup: float = MIN_SPEEDUP,
     ):
@@ -153,25 +153,23 @@ class ModelPool:
             timings["gate_s"] = time.perf_counter() - tg
             return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature)
         n_ctx = len(context_ids(r, text))
+        threshold = self.quality_threshold if quality_threshold is None else quality_threshold
         d = decide(
             self.graph,
             state,
             r.spec.weights_hash,
             n_ctx + len(suffix),
             requested=transport,
-            quality_threshold=self.quality_threshold if quality_threshold is None else quality_threshold,
+            quality_threshold=threshold,
             overhead_s=self.overhead_s,
             min_speedup=self.min_speedup,
         )
         timings["gate_s"] = time.perf_counter() - tg
         if d.transport == "native":
             return self._native(r, text, suffix, t0, timings, d.reason, max_new_tokens, temperature, d)
-        try:
-            out = self._relay(d, state, r, suffix)
-        except (CtxrelayError, ValueError, RuntimeError) as e:  # never a wrong answer: fall back
-            reason = f"{d.transport} failed ({e}); native prefill instead"
-            log.warning(reason)
-            return self._native(r, text, suffix, t0, timings, reason, max_new_tokens, temperature, d)
+        out, why_not = self._relay_checked(d, state, r, suffix, t0, timings, threshold, transport == "auto")
+        if out is None:
+            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, d)
         tf = time.perf_counter()
         gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature)
         timings.update(out.timings)
@@ -189,6 +187,34 @@ class ModelPool:
             info=out.info,
             first_logits=out.logits[-1],
         )
+
+    def _relay_checked(self, d: Decision, state, r, suffix, t0, timings, threshold, check) -> tuple:
+        """Relay through the gate's cheapest candidate; where the transport estimates THIS request
+        below the threshold, try the next candidate while the time spent still leaves it faster than
+        native prefill. Returns (RelayOutput, "") or (None, why native)."""
+        tried: list[str] = []
+        for i, c in enumerate(d.candidates):
+            if i:
+                native_s, spent = d.predicted_native_s, time.perf_counter() - t0
+                if c.predicted_s is None or native_s is None or spent + c.predicted_s >= native_s:
+                    break
+                d.choose(c, reason_for(c, d.predicted_native_s, threshold))
+            ta = time.perf_counter()
+            try:
+                out = self._relay(d, state, r, suffix)
+            except (CtxrelayError, ValueError, RuntimeError) as e:  # never a wrong answer: fall back
+                log.warning("%s failed (%s); native prefill instead", c.label, e)
+                return None, f"{c.label} failed ({e}); native prefill instead"
+            est = out.info.get("estimate")
+            if est is None or not check or est >= threshold:
+                if est is not None:
+                    d.reason += f"; estimated top-1 for this request {est:.2f}"
+                if tried:
+                    d.reason += " (after " + "; ".join(tried) + ")"
+                return out, ""
+            tried.append(f"{c.label}: estimated top-1 {est:.2f} < {threshold:.2f}")
+            timings["rejected_relay_s"] = timings.get("rejected_relay_s", 0.0) + time.perf_counter() - ta
+        return None, "; ".join(tried) + "; native prefill instead (no faster relay passes the estimate)"
 
     def native(self, receiver: str, text: str, suffix: str = "", **kw) -> RelayResult:
         """The reference: the receiver prefills context + suffix itself."""
@@ -222,7 +248,7 @@ class ModelPool:
     def _relay(self, d: Decision, state: ContextState, r: LoadedModel, suffix: torch.Tensor) -> RelayOutput:
         path = d.edge.artifact_path
         art = self.artifact(path) if path is not None else None  # read once, when the graph was built
-        return transports.get(d.transport).relay_prefill(r, state, art, suffix)
+        return transports.get(d.transport).relay_prefill(r, state, art, suffix, **d.options)
 
     def _native(
         self, r, text, suffix, t0, timings, reason, max_new_tokens=32, temperature=0.0, d: Decision | None = None

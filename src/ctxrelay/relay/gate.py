@@ -1,13 +1,16 @@
 """The per-request gate: relay only when it is both faster and good enough, else native prefill.
 
-A candidate edge must (1) be calibrated for exactly this sender and receiver version, (2) find in
-the state what its transport needs and bound to the same sender, (3) have calibrated quality at or
-above the operator's threshold and (4) have a predicted TTFT (plus overhead) at least `min_speedup`
-times below the receiver's predicted native prefill (the margin covers the cost model's error: a
-predicted 1% gain measured as a 5% loss in the demo). The cheapest survivor wins. An exact
-transport (a model continuing from its own K/V) reproduces native prefill and skips it, so it needs
-no quality or cost check. Every decision carries its reason. The gate knows transports only
-through the registry (what each one reads from a state, whether it is exact).
+A candidate is one operating point of an edge (heterofold: a recompute fraction and rule; most
+transports have one). It must (1) be calibrated for exactly this sender and receiver version,
+(2) find in the state what its transport needs and bound to the same sender, (3) have calibrated
+quality at or above the operator's threshold and (4) have a predicted TTFT (plus overhead) at least
+`min_speedup` times below the receiver's predicted native prefill (the margin covers the cost
+model's error: a predicted 1% gain measured as a 5% loss in the demo). Survivors are ranked by
+predicted TTFT: the relay layer tries the cheapest first and, when the transport's estimate for THIS
+request falls below the threshold, the next one while the time spent still leaves it faster than
+native. An exact transport (a model continuing from its own K/V) reproduces native prefill and
+skips it, so it needs no quality or cost check. Every decision carries its reason. The gate knows
+transports only through the registry (what each one reads from a state, whether it is exact).
 """
 
 from __future__ import annotations
@@ -17,12 +20,27 @@ from dataclasses import dataclass, field
 
 from ctxrelay import transports
 from ctxrelay.errors import UsageError
-from ctxrelay.relay.graph import Edge, TransportGraph
+from ctxrelay.relay.graph import Edge, OperatingPoint, TransportGraph
 from ctxrelay.state import ContextState
 
 log = logging.getLogger("ctxrelay.relay")
 
 MIN_SPEEDUP = 1.10  # predicted native / relay TTFT an edge must reach to be chosen over native
+# Default quality threshold: calibrated (and per-request estimated) top-1 agreement with the
+# receiver's own native prefill. A relay that changes the answer is worse than no relay; 0 is an
+# explicit opt-in to gist-only speed.
+DEFAULT_QUALITY = 0.9
+
+
+@dataclass
+class Candidate:
+    edge: Edge
+    point: OperatingPoint
+    predicted_s: float | None  # None: exact transport without a cost profile (never slower than native)
+
+    @property
+    def label(self) -> str:
+        return f"{self.edge.transport} {self.point.label}".strip()
 
 
 @dataclass
@@ -30,15 +48,27 @@ class Decision:
     transport: str  # "native" or the chosen edge's transport
     reason: str
     edge: Edge | None = None
+    point: OperatingPoint | None = None
     predicted_native_s: float | None = None
     predicted_relay_s: float | None = None
     rejected: list[str] = field(default_factory=list)  # one line per candidate turned down
+    candidates: list[Candidate] = field(default_factory=list)  # survivors, cheapest first
+
+    @property
+    def options(self) -> dict:
+        return dict(self.point.options) if self.point else {}
+
+    def choose(self, c: Candidate, reason: str) -> None:
+        self.transport, self.edge, self.point, self.predicted_relay_s = c.edge.transport, c.edge, c.point, c.predicted_s
+        self.reason = reason
 
     def as_dict(self) -> dict:
         return {
             "transport": self.transport,
             "reason": self.reason,
             "edge": self.edge.label if self.edge else None,
+            "point": self.point.label if self.point else None,
+            "options": self.options,
             "predicted_native_s": self.predicted_native_s,
             "predicted_relay_s": self.predicted_relay_s,
             "rejected": self.rejected,
@@ -70,7 +100,7 @@ def decide(
     n_tokens: int,
     *,
     requested: str = "auto",
-    quality_threshold: float = 0.0,
+    quality_threshold: float = DEFAULT_QUALITY,
     overhead_s: float = 0.0,
     min_speedup: float = MIN_SPEEDUP,
 ) -> Decision:
@@ -90,53 +120,52 @@ def decide(
         d.reason = f"no calibrated {want}artifact for this sender -> receiver pair"
         return _logged(d)
 
-    best: tuple[float, Edge] | None = None
     for e in edges:
         why = _unusable(e, state, receiver_hash)
-        if why is None and requested == "auto" and not e.exact:
-            why = _not_worth_it(e, n_tokens, native_s, quality_threshold, overhead_s, min_speedup)
-        if why is not None:
-            d.rejected.append(f"{e.label}: {why}")
-            continue
-        cost = e.cost.total(n_tokens) + overhead_s if e.cost else (0.0 if e.exact else float("inf"))
-        if best is None or cost < best[0]:
-            best = (cost, e)
-    if best is None:
+        for p in e.points:
+            c = Candidate(e, p, p.cost.total(n_tokens) + overhead_s if p.cost else None)
+            if why is None and requested == "auto" and not e.exact:
+                why_p = _not_worth_it(c, native_s, quality_threshold, min_speedup)
+            else:
+                why_p = why
+            if why_p is not None:
+                d.rejected.append(f"{c.label}: {why_p}")
+                continue
+            d.candidates.append(c)
+    if not d.candidates:
         d.reason = "no transport passes the gate: " + "; ".join(d.rejected)
         return _logged(d)
-    cost, edge = best
-    d.transport, d.edge = edge.transport, edge
-    d.predicted_relay_s = cost if edge.cost is not None else None
-    q = edge.quality.get("top1_agreement")
-    if edge.exact:
-        d.reason = f"{edge.transport}: exact (reproduces the receiver's native prefill) and skips the context prefill"
-    elif requested == "auto":
-        d.reason = (
-            f"{edge.transport} predicted {cost:.2f} s vs native {native_s:.2f} s "
-            f"({native_s / cost:.1f}x) with calibrated top-1 agreement {q:.2f} >= {quality_threshold:.2f}"
-        )
-    else:
-        d.reason = f"{edge.transport} requested explicitly (cost and quality gates skipped; bindings checked)"
+    # exact first (they skip the prefill and change nothing), then by predicted TTFT
+    d.candidates.sort(key=lambda c: (not c.edge.exact, c.predicted_s if c.predicted_s is not None else 0.0))
+    best = d.candidates[0]
+    d.choose(best, reason_for(best, native_s, quality_threshold, requested))
     return _logged(d)
 
 
-def _not_worth_it(
-    e: Edge, n: int, native_s: float | None, threshold: float, overhead_s: float, min_speedup: float
-) -> str | None:
-    q = e.quality.get("top1_agreement")
+def reason_for(c: Candidate, native_s: float | None, threshold: float, requested: str = "auto") -> str:
+    if c.edge.exact:
+        return f"{c.edge.transport}: exact (reproduces the receiver's native prefill) and skips the context prefill"
+    if requested != "auto":
+        return f"{c.label} requested explicitly (cost and quality gates skipped; bindings checked)"
+    q = c.point.quality.get("top1_agreement")
+    return (
+        f"{c.label} predicted {c.predicted_s:.2f} s vs native {native_s:.2f} s "
+        f"({native_s / c.predicted_s:.1f}x) with calibrated top-1 agreement {q:.2f} >= {threshold:.2f}"
+    )
+
+
+def _not_worth_it(c: Candidate, native_s: float | None, threshold: float, min_speedup: float) -> str | None:
+    q = c.point.quality.get("top1_agreement")
     if q is None:
         return "artifact records no calibrated top-1 agreement"
     if q < threshold:
         return f"calibrated top-1 agreement {q:.2f} is below the threshold {threshold:.2f}"
     if native_s is None:
         return "no native cost profile for the receiver (run `ctxrelay profile`)"
-    if e.cost is None:
+    if c.predicted_s is None:
         return "no cost profile for this edge (run `ctxrelay profile`)"
-    relay_s = e.cost.total(n) + overhead_s
-    if relay_s * min_speedup >= native_s:
-        return (
-            f"predicted {relay_s:.2f} s is not {min_speedup:.2f}x below native prefill {native_s:.2f} s at {n} tokens"
-        )
+    if c.predicted_s * min_speedup >= native_s:
+        return f"predicted {c.predicted_s:.2f} s is not {min_speedup:.2f}x below native prefill {native_s:.2f} s"
     return None
 
 

@@ -69,6 +69,16 @@ class Node:
 
 
 @dataclass
+class OperatingPoint:
+    """One way a transport serves an edge (heterofold: a recompute fraction and selection rule)."""
+
+    label: str  # "" for a transport's only way, else e.g. "f=0.10 mix"
+    options: dict  # relay_prefill keywords
+    quality: dict  # calibrated against native: top1_agreement, ...
+    cost: CostModel | None = None
+
+
+@dataclass
 class Edge:
     transport: str
     sender: dict  # artifact's binding of the sender: name, weights_hash, tokenizer_hash
@@ -76,12 +86,21 @@ class Edge:
     artifact_path: Path | None  # None: the transport serves this pair without an artifact
     quality: dict
     params: dict
-    cost: CostModel | None = None
     exact: bool = False  # the transport reproduces native prefill (no quality or cost gate)
+    points: list[OperatingPoint] = field(default_factory=list)
 
     @property
     def key(self) -> str:
         return edge_key(self.transport, self.sender["weights_hash"], self.receiver["weights_hash"])
+
+    def point_key(self, p: OperatingPoint) -> str:
+        """Profile key of one operating point's cost model (the edge key for a transport's only way)."""
+        return self.key if not p.label else f"{self.key}@{p.label}"
+
+    @property
+    def cost(self) -> CostModel | None:
+        """The cost model of the edge's first (cheapest calibrated) operating point."""
+        return self.points[0].cost if self.points else None
 
     @property
     def label(self) -> str:
@@ -126,6 +145,15 @@ class Profile:
         tmp.replace(path)
 
 
+def _with_points(edge: Edge, t, profile: Profile) -> Edge:
+    """The transport's operating points for this edge, each with its measured cost model."""
+    for p in t.operating_points(edge.params, edge.quality):
+        point = OperatingPoint(p.get("label", ""), dict(p.get("options", {})), dict(p.get("quality", {})))
+        point.cost = profile.edges.get(edge.point_key(point))
+        edge.points.append(point)
+    return edge
+
+
 @dataclass
 class TransportGraph:
     nodes: dict[str, Node]  # weights hash -> node
@@ -157,15 +185,13 @@ class TransportGraph:
                 skipped.append(f"{path.name}: calibrated for model versions not in the pool ({', '.join(missing)})")
                 continue
             edge = Edge(art.transport, art.sender, art.receiver, path, art.quality, art.params, exact=t.exact)
-            edge.cost = profile.edges.get(edge.key)
-            edges.append(edge)
+            edges.append(_with_points(edge, t, profile))
         for t in transports.loaded():  # pairs a transport serves without an artifact
             for a in models:
                 for b in models:
                     if t.implicit_edge(a.spec, b.spec):
                         edge = Edge(t.name, model_binding(a), model_binding(b), None, {}, {}, exact=t.exact)
-                        edge.cost = profile.edges.get(edge.key)
-                        edges.append(edge)
+                        edges.append(_with_points(edge, t, profile))
         return TransportGraph(nodes, edges, skipped)
 
     def edges_between(self, sender_hash: str, receiver_hash: str) -> list[Edge]:

@@ -66,8 +66,11 @@ def profile_pool(
     prof.machine = {"torch_threads": torch.get_num_threads()}
     models = [m for m in pool.models.values() if not (only_missing and m.spec.weights_hash in prof.native)]
     # exact edges (a model's own K/V) need no cost model: the gate takes them whenever they apply
-    edges = [e for e in pool.graph.edges if not e.exact and not (only_missing and e.key in prof.edges)]
-    work = len(lengths) * (len(models) + len(edges))
+    points = [
+        (e, p) for e in pool.graph.edges if not e.exact for p in e.points
+        if not (only_missing and e.point_key(p) in prof.edges)
+    ]  # fmt: skip
+    work = len(lengths) * (len(models) + len(points))
     bar = tqdm(total=work, desc="profile", unit="pt")
     for m in models:
         samples = []
@@ -76,29 +79,29 @@ def profile_pool(
             samples.append(measure_native(m, text_for(m, n), repeats))
             bar.update()
         prof.native[m.spec.weights_hash] = CostModel.fit(samples)
-    for e in edges:
+    for e, p in points:
         sender = next(m for m in pool.models.values() if m.spec.weights_hash == e.sender["weights_hash"])
         receiver = next(m for m in pool.models.values() if m.spec.weights_hash == e.receiver["weights_hash"])
         art = pool.artifact(e.artifact_path)
-        module = transports.get(e.transport)
+        t = transports.get(e.transport)
         samples = []
         for n in lengths:
-            bar.set_postfix_str(f"{e.label} @ {n}")
+            bar.set_postfix_str(f"{e.label} {p.label} @ {n}")
             state = cached_sender_state(pool, sender, text_for(sender, n))
             suffix = _suffix(receiver)
             n_recv = len(context_ids(receiver, state.text)) + len(suffix)
 
-            def once(state=state, suffix=suffix, module=module, receiver=receiver, art=art) -> dict[str, float]:
-                out = module.relay_prefill(receiver, state, art, suffix)
-                t = time.perf_counter()
+            def once(state=state, suffix=suffix, t=t, receiver=receiver, art=art, opts=p.options) -> dict[str, float]:
+                out = t.relay_prefill(receiver, state, art, suffix, **opts)
+                t0 = time.perf_counter()
                 int(out.logits[-1].argmax())
                 timings = dict(out.timings)
-                timings["first_token_s"] = timings.get("first_token_s", 0.0) + time.perf_counter() - t
+                timings["first_token_s"] = timings.get("first_token_s", 0.0) + time.perf_counter() - t0
                 return timings
 
             samples.append((n_recv, median_components(once, repeats)))
             bar.update()
-        prof.edges[e.key] = CostModel.fit(samples)
+        prof.edges[e.point_key(p)] = CostModel.fit(samples)
     bar.close()
     pool.refresh(prof)
     return prof

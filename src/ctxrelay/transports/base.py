@@ -61,6 +61,13 @@ class Transport:
         """True where this transport serves the pair without an artifact (the model's own K/V)."""
         return False
 
+    def operating_points(self, params: dict, quality: dict) -> list[dict]:
+        """The ways this transport can serve an edge with these artifact params and quality, cheapest
+        first: {"label", "options" (relay_prefill keywords), "quality" (calibrated vs native)}. The
+        gate predicts each one's cost from the profile and holds its quality against the threshold;
+        relay_prefill may report info["estimate"], a predicted top-1 agreement for THIS request."""
+        return [{"label": "", "options": {}, "quality": quality}]
+
     def capture_plan(self, sender: LoadedModel, edge_params: Sequence[dict]) -> CapturePlan:
         """What the sender's prefill records for this transport's edges out of it (their params)."""
         return CapturePlan(kv=self.needs == "kv")

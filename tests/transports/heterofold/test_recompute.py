@@ -83,6 +83,19 @@ def test_lexical_rules_pick_the_sentence_the_question_asks_about(tiny_by_family)
     assert int(rec.positions.max()) == len(ids) - 1 and 0 in rec.positions.tolist()
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_every_rule_picks_valid_positions_within_its_budget(tiny_by_family, rule):
+    sender, receiver = tiny_by_family["gemma3"], tiny_by_family["llama"]
+    state = capture_state(sender, CONTEXT, "t")
+    suffix = suffix_ids(receiver, QUESTION)
+    out = relay_prefill(receiver, state, zero_artifact(sender, receiver), suffix, recompute=0.3, selection=rule)
+    ids, offsets = tokenize_context(receiver, CONTEXT)
+    n, longest = len(ids), max(g.numel() for g in sentence_tokens(offsets, CONTEXT))
+    sentence_rules = ("lexical", "mix", "embedding", "adaptive")  # the best sentence goes in whole
+    assert 0 < out.info["recomputed"] <= 0.3 * n + 1 + (longest if rule in sentence_rules else 0)
+    assert out.info["selection"] == rule and out.cache.length == n + len(suffix)
+
+
 def test_the_query_defaults_to_the_contexts_last_sentence():
     assert query_text("First sentence. What is the code?", "") == "What is the code?"
     assert query_text("First sentence.", " Answer: the code") == " Answer: the code"

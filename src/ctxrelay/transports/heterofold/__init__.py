@@ -20,6 +20,15 @@ class Heterofold(Transport):
     needs = "kv"
     color = "tab:orange"
 
+    def operating_points(self, params: dict, quality: dict) -> list[dict]:
+        """Plain translation, then each recompute fraction the artifact's faithful stage measured."""
+        points = [{"label": "", "options": {}, "quality": quality}]
+        for q in sorted(quality.get("recompute", []), key=lambda q: q["f"]):
+            if q["f"] > 0:
+                opts = {"recompute": q["f"], "selection": q["selection"]}
+                points.append({"label": f"f={q['f']:.2f} {q['selection']}", "options": opts, "quality": q})
+        return points
+
     def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):
         return relay_prefill(receiver, state, artifact, suffix_ids, **options)
 

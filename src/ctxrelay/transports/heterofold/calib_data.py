@@ -11,11 +11,22 @@ import gc
 from pathlib import Path
 
 from ctxrelay import paths
-from ctxrelay.data.datasets import conversation_text, essays, sharegpt_conversations
+from ctxrelay.artifact import Artifact
+from ctxrelay.data.datasets import (
+    conversation_haystack,
+    conversation_text,
+    essay_haystack,
+    essays,
+    sharegpt_conversations,
+)
 from ctxrelay.errors import UsageError
 
 # data options (`--set key=value`), the rest goes to ctxrelay.transports.heterofold.calibrate.CalibConfig
 DATA_DEFAULTS = {"chunk_chars": 2200, "essay_chunks": 40, "conversations": 24, "heldout_essays": 4, "heldout_convs": 4}
+# the faithful mode's stage (quality per recompute fraction, the per-request estimate): training-split
+# essays and conversations of about the length the relay serves
+RECOMPUTE_DEFAULTS = {"recompute_tokens": 2048, "recompute_essays": 8, "recompute_convs": 4,
+                      "fractions": "0.05,0.1,0.2,0.3", "rule": "mix"}  # fmt: skip
 
 
 def chunk(text: str, chars: int) -> list[str]:
@@ -66,6 +77,14 @@ def calibration_texts(opts: dict) -> tuple[list[str], list[str]]:
     return train, held
 
 
+def recompute_texts(tokenizer, opts: dict) -> list[str]:
+    """Training-split essay haystacks and conversation histories of recompute_tokens + a continuation."""
+    n = int(opts["recompute_tokens"]) + 200
+    texts = [essay_haystack(tokenizer, n, split="train", seed=3 * i) for i in range(int(opts["recompute_essays"]))]
+    texts += [conversation_haystack(tokenizer, n, "train", seed=i) for i in range(int(opts["recompute_convs"]))]
+    return texts
+
+
 def find_artifact(sender: str, receiver: str, method: str = "heterofold") -> Path:
     """The packaged artifact of a direction if the package ships one, else the default path."""
     if method == "heterofold":
@@ -82,10 +101,10 @@ def default_artifact_path(sender: str, receiver: str, method: str = "heterofold"
 
 
 def _split_options(options: dict | None) -> tuple[dict, dict]:
-    opts = dict(DATA_DEFAULTS)
+    opts = {**DATA_DEFAULTS, **RECOMPUTE_DEFAULTS}
     rest = {}
     for k, v in (options or {}).items():
-        (opts if k in DATA_DEFAULTS else rest)[k] = v
+        (opts if k in opts else rest)[k] = v
     return opts, rest
 
 
@@ -94,7 +113,9 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
 
     method=all (or a comma list) calibrates the three baselines and heterofold in one process (shared
     data, shared held-out items); baselines go to their default paths, heterofold to --out (or its default
-    path); the returned path is heterofold's.
+    path); the returned path is heterofold's. heterofold's artifact then gets the faithful mode's stage
+    (quality per recompute fraction, the per-request estimate); stage=recompute runs only that stage,
+    on the direction's existing artifact (--out, else the packaged or user artifact), and rewrites it.
     """
     from ctxrelay import zoo
     from ctxrelay.transports import heterofold
@@ -108,21 +129,44 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
     if bad:
         known = ", ".join(heterofold.METHODS)
         raise UsageError(f"unknown heterofold method(s) {bad}: use all, or a comma list of {known}")
+    stage = cal_opts.pop("stage", "all")
+    if stage not in ("all", "recompute"):
+        raise UsageError(f"unknown heterofold calibration stage {stage!r}: use all or recompute")
     command = command or _command(sender, receiver, options)
-    train, held = calibration_texts(data_opts)
     s, r = zoo.load(sender), zoo.load(receiver)
     path = None
+    if stage == "recompute":
+        path = Path(out) if out else find_artifact(sender, receiver)
+        if not path.exists():
+            raise UsageError(f"no heterofold artifact at {path} to add the recompute stage to: calibrate it first")
+        art = Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
+        _add_recompute_stage(s, r, art, data_opts, command)
+        art.save(path)
+        return path
+    train, held = calibration_texts(data_opts)
     for m in methods:
         try:
             art = heterofold.calibrate(s, r, train, held, {**cal_opts, "method": m}, command, resume=resume)
         except ValueError as e:
             raise UsageError(str(e)) from None
         art.params["data"] = data_opts
+        if m == "heterofold":
+            _add_recompute_stage(s, r, art, data_opts, command)
         path = Path(out) if out and m == "heterofold" else default_artifact_path(sender, receiver, m)
         art.save(path)
     del s, r
     gc.collect()
     return path
+
+
+def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
+    from ctxrelay.transports.heterofold.faithful import calibrate_recompute
+
+    fracs = [float(f) for f in str(opts["fractions"]).split(",") if f]
+    res = calibrate_recompute(s, r, art, recompute_texts(r.tokenizer, opts), fracs, str(opts["rule"]))
+    art.quality.update(recompute=res["recompute"], estimate=res["estimate"])
+    art.params["recompute_stage"] = {"command": command, "rows": res["recompute_rows"],
+                                     **{k: opts[k] for k in RECOMPUTE_DEFAULTS}}  # fmt: skip
 
 
 def _command(sender: str, receiver: str, options: dict | None) -> str:

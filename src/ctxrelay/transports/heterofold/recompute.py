@@ -33,6 +33,7 @@ from ctxrelay.models.spec import LoadedModel
 from ctxrelay.text import content_words, sentence_spans
 
 RULES = ("deviation", "lexical", "embedding", "recency", "mix", "adaptive")
+SIGNALS = ("tail_confidence", "tail_nll", "kv_change", "first_token_p")  # candidates for the estimate
 RECENCY_SHARE = 0.25  # of the budget, in mix and adaptive
 MATCH_RATIO = 0.5  # adaptive: sentences scoring >= this share of the best BM25 score
 
@@ -119,6 +120,7 @@ def layer1_deviation(m: LoadedModel, ids: torch.Tensor, cache: KVCache) -> torch
     return ((k1 - kt).float().pow(2).sum((0, 1, 3)) + (v1 - vt).float().pow(2).sum((0, 1, 3))).sqrt()
 
 
+@torch.inference_mode()
 def select(
     m: LoadedModel,
     rule: str,
@@ -167,6 +169,15 @@ def select(
         chosen += taken
     pos = torch.unique(torch.cat([*chosen, torch.tensor(native, dtype=torch.long)]))
     return Selection(pos, rule, info)
+
+
+def estimate(model: dict | None, info: dict) -> float | None:
+    """Predicted top-1 agreement of THIS request from its signals (faithful.fit_estimate's line), or
+    None where the artifact has no estimate or the signal was not measured (no recompute)."""
+    if not model or model.get("signal") not in info:
+        return None
+    a, b = model["coef"]
+    return float(min(1.0, max(0.0, a + b * float(info[model["signal"]]))))
 
 
 @torch.inference_mode()

@@ -25,8 +25,8 @@ from ctxrelay.timing import Stopwatch
 from ctxrelay.transports.base import RelayOutput, check_edge
 from ctxrelay.transports.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
 from ctxrelay.transports.heterofold.maps import FoldMaps, translate
+from ctxrelay.transports.heterofold.recompute import estimate, select
 from ctxrelay.transports.heterofold.recompute import recompute as recompute_positions
-from ctxrelay.transports.heterofold.recompute import select
 
 TRANSPORT = "heterofold"
 ARTIFACT_VERSION = 1
@@ -167,6 +167,9 @@ def relay_prefill(
             **picked.info,
             **signals,
         )
+    est = estimate(artifact.quality.get("estimate"), info)
+    if est is not None:
+        info["estimate"] = est
     return RelayOutput(out.cache, out.logits, sw.timings, info)
 
 

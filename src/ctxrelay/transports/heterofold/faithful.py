@@ -1,0 +1,76 @@
+"""The faithful mode's calibration: quality at each recompute fraction, and a per-request estimate.
+
+For an existing artifact, on calibration texts (prompts only: the receiver's own native prefill is
+the reference) of about the length the relay serves: relay each context at every fraction f of the
+default selection rule, teacher-force the text's true continuation, and record top-1 agreement and
+KL against native per text, together with the cheap signals relay_prefill reports (recompute.py /
+transfer.py). The result goes into the artifact's quality:
+
+  quality["recompute"]  one entry per f: pooled top-1 agreement and KL (the gate's operating points)
+  quality["estimate"]   the signal whose per-text ranking follows per-text top-1 agreement best
+                        (Spearman, pooled over the fractions), with a least-squares line signal ->
+                        top-1: relay_prefill reports info["estimate"] for every request from it
+"""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import spearmanr
+from tqdm import tqdm
+
+from ctxrelay.artifact import Artifact
+from ctxrelay.metrics import PooledQuality, position_agreement
+from ctxrelay.models.spec import LoadedModel
+from ctxrelay.transports.heterofold import quality as heldout
+from ctxrelay.transports.heterofold.recompute import SIGNALS
+from ctxrelay.transports.heterofold.transfer import relay_prefill
+
+DEFAULT_RULE = "mix"
+
+
+def fit_estimate(rows: list[dict]) -> dict:
+    """The signal with the highest |Spearman| against per-text top-1 agreement, and its line."""
+    best = None
+    for sig in SIGNALS:
+        pairs = [(r[sig], r["top1_agreement"]) for r in rows if sig in r]
+        if len(pairs) < 4:
+            continue
+        x = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+        y = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
+        rho = float(spearmanr(x.numpy(), y.numpy()).statistic)
+        if rho != rho:  # nan: a constant signal
+            continue
+        if best is None or abs(rho) > abs(best["spearman"]):
+            design = torch.stack([torch.ones_like(x), x], 1)
+            coef = torch.linalg.lstsq(design, y[:, None]).solution[:, 0]
+            best = {"signal": sig, "coef": [float(coef[0]), float(coef[1])], "spearman": rho, "texts": len(pairs)}
+    return best or {}
+
+
+@torch.inference_mode()
+def calibrate_recompute(
+    sender: LoadedModel,
+    receiver: LoadedModel,
+    artifact: Artifact,
+    texts: list[str],
+    fractions: list[float],
+    rule: str = DEFAULT_RULE,
+    suffix_tokens: int = 129,
+) -> dict:
+    """{"recompute": [...], "estimate": {...}, "recompute_rows": [...]} for the artifact's quality."""
+    items = [heldout.make_item(sender, receiver, t, suffix_tokens) for t in tqdm(texts, desc="recompute items")]
+    table, rows = [], []
+    for f in fractions:
+        pooled = PooledQuality()
+        for i, it in enumerate(tqdm(items, desc=f"recompute f={f}", leave=False)):
+            kw = {"recompute": f, "selection": rule, "query": ""}  # a continuation: no question to match
+            out = relay_prefill(receiver, it.state, artifact, it.suffix, logits="all", **kw)
+            lp = torch.log_softmax(out.logits[:-1].float(), -1)
+            pooled.add(it.native_logprobs, lp, it.suffix[1:])
+            row = {"text": i, "f": f, "top1_agreement": float(position_agreement(it.native_logprobs, lp).mean())}
+            row.update({k: out.info[k] for k in SIGNALS if k in out.info})
+            row["recompute_fraction"] = out.info.get("recompute_fraction", 0.0)
+            rows.append(row)
+        res = pooled.result(heldout.HORIZONS)
+        table.append({"f": f, "selection": rule, **res, "texts": len(items)})
+    return {"recompute": table, "estimate": fit_estimate([r for r in rows if r["f"] > 0]), "recompute_rows": rows}
