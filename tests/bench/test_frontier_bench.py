@@ -31,20 +31,26 @@ def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path):
             "answer_tokens": 4}  # fmt: skip
     path = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts, command="pytest")
     doc = json.loads(path.read_text())
-    rows = doc["rows"]
+    rows = [x for x in doc["rows"] if x.get("kind") != "timing"]
     points = {(x["selection"], x["f"]) for x in rows}
     assert points == {("none", 0.0), ("recency", 0.5), ("lexical", 0.5), ("recency", 1.0)}
     assert len(rows) == 3 * 3 + 1  # 3 cases x 3 points + the f = 1 check on the first needle case
     exact = next(x for x in rows if x["f"] == 1.0)
     assert exact["top1_agreement"] == 1.0 and exact["kl"] < 1e-6 and exact["needle_acc"] == exact["native_needle_acc"]
-    timed = [x for x in rows if "speedup" in x]
+    timed = [x for x in doc["rows"] if x.get("kind") == "timing"]
     assert {(x["selection"], x["f"]) for x in timed} == {("none", 0.0), ("recency", 0.5), ("lexical", 0.5)}
-    assert all(x["timing_gap_max"] < 0.2 for x in timed)
+    assert all(x["timing_gap_max"] < 0.2 and len(x["native_times_s"]) == 2 for x in timed)  # before + after
     assert doc["complete"] and {x["selection"] for x in doc["summary"]} == {"none", "recency", "lexical"}
+    assert all("speedup" in x for x in doc["summary"] if x["f"] < 1)
     assert path.with_suffix(".png").exists()
     # a rerun with the same cases and options measures nothing again
     again = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts, command="pytest")
-    assert json.loads(again.read_text())["rows"] == rows
+    assert json.loads(again.read_text())["rows"] == doc["rows"]
+    # a quality-only run of more points keeps every row measured before
+    more = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, command="pytest",
+                    options={**opts, "rules": "recency,lexical,mix", "phase": "quality"})  # fmt: skip
+    rows3 = json.loads(more.read_text())["rows"]
+    assert len(rows3) == len(doc["rows"]) + 3 and {x["selection"] for x in rows3} >= {"mix"}
 
 
 def test_frontier_refuses_bad_options():

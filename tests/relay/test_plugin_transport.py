@@ -87,3 +87,62 @@ def test_registry_refuses_what_is_not_a_transport_and_silent_replacement(toy):
     with pytest.raises(ValueError, match="already registered"):
         transports.register(ToyIdentity())  # same name, another object
     assert transports.get(toy.name) is toy
+
+
+class ToyPoints(ToyIdentity):
+    """Two operating points; relay_prefill reports a per-request estimate that depends on the point."""
+
+    name = "toy-points"
+    estimates = {"cheap": 0.5, "good": 0.95}
+
+    def operating_points(self, params, quality):
+        return [
+            {"label": "cheap", "options": {"point": "cheap"}, "quality": {"top1_agreement": 0.95}},
+            {"label": "good", "options": {"point": "good"}, "quality": {"top1_agreement": 0.97}},
+        ]
+
+    def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):
+        out = super().relay_prefill(receiver, state, artifact, suffix_ids)
+        out.info["estimate"] = self.estimates[options["point"]]
+        return out
+
+
+@pytest.fixture
+def points_pool(tiny_by_family, tmp_path):
+    t = transports.register(ToyPoints())
+    a = tiny_by_family["llama"]
+    a2 = wrap(copy.deepcopy(a.hf), a.tokenizer, "tiny-llama-copy", weights_hash="copy2-" + a.spec.weights_hash)
+    art = Artifact(t.name, 1, model_binding(a), model_binding(a2), {"unused": torch.zeros(1)}, command="test")
+    art.save(tmp_path / "artifacts" / "toy-points.safetensors")
+    samples = lambda per, key: [(n, {key: per * n}) for n in (64, 128, 256)]
+    key = edge_key(t.name, a.spec.weights_hash, a2.spec.weights_hash)
+    profile = Profile(
+        native={a2.spec.weights_hash: CostModel.fit(samples(1.0, "prefill_s"))},  # 1 s/token: room to escalate
+        edges={f"{key}@cheap": CostModel.fit(samples(1e-4, "assemble_s")),
+               f"{key}@good": CostModel.fit(samples(2e-4, "assemble_s"))},
+    )  # fmt: skip
+    pool = ModelPool([a, a2], artifact_dirs=[tmp_path / "artifacts"], profile=profile)
+    yield pool, a, a2, t
+    transports.unregister(t.name)
+
+
+def test_a_request_whose_estimate_fails_escalates_to_the_next_point(points_pool):
+    pool, a, a2, t = points_pool
+    state = pool.prefill(a.name, SAMPLE_TEXT, tenant="acme")
+    res = pool.continue_from(state, a2.name, SUFFIX, max_new_tokens=2)
+    assert res.transport == "toy-points" and res.decision["point"] == "good"
+    assert "estimated top-1 for this request 0.95" in res.reason and "cheap: estimated top-1 0.50 < 0.90" in res.reason
+    assert res.timings["rejected_relay_s"] > 0 and abs(res.components_s - res.ttft_s) < 0.2 * res.ttft_s
+
+
+def test_a_request_no_point_estimates_good_enough_gets_native_with_the_reason(points_pool):
+    pool, a, a2, t = points_pool
+    t.estimates = {"cheap": 0.5, "good": 0.6}
+    state = pool.prefill(a.name, SAMPLE_TEXT, tenant="acme")
+    res = pool.continue_from(state, a2.name, SUFFIX, max_new_tokens=2)
+    ref = pool.native(a2.name, SAMPLE_TEXT, SUFFIX, max_new_tokens=2)
+    assert res.transport == "native" and "good: estimated top-1 0.60 < 0.90" in res.reason
+    assert res.tokens == ref.tokens
+    # quality_threshold=0 is the explicit opt-in to gist-only speed: the cheapest point, no estimate check
+    gist = pool.continue_from(state, a2.name, SUFFIX, max_new_tokens=2, quality_threshold=0.0)
+    assert gist.transport == "toy-points" and gist.decision["point"] == "cheap"

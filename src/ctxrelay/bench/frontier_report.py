@@ -42,11 +42,13 @@ def summarize(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["sender"], row["receiver"], row["length"], row["selection"], row["f"]), []).append(row)
+    timing = {k: [x for x in rs if x.get("kind") == "timing"] for k, rs in groups.items()}
+    groups = {k: [x for x in rs if x.get("kind") != "timing"] for k, rs in groups.items()}
     out = []
     for (s, r, n, rule, f), rs in sorted(groups.items(), key=lambda kv: (kv[0][:3], kv[0][4], kv[0][3])):
         needles = [x for x in rs if x["dataset"] == "needle"]
         item = {"sender": s, "receiver": r, "length": n, "selection": rule, "f": f,
-                "recompute_fraction": _mean(x["recompute_fraction"] for x in rs),
+                "recompute_fraction": _mean(x.get("recompute_fraction") for x in rs),
                 "needle_acc": _mean(x.get("needle_acc") for x in needles),
                 "native_needle_acc": _mean(x.get("native_needle_acc") for x in needles),
                 "needle_cases": len(needles)}  # fmt: skip
@@ -59,7 +61,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                     x["ppl"]["128"] / x["native_ppl"]["128"] for x in part if "128" in x["ppl"]
                 )
                 item[f"{label}_cases"] = len(part)
-        timed = [x for x in rs if "speedup" in x]
+        timed = timing[(s, r, n, rule, f)]
         if timed:
             item["speedup"] = statistics.median(x["speedup"] for x in timed)
             item["relay_ttft_s"] = statistics.median(x["relay_ttft_s"] for x in timed)

@@ -8,13 +8,16 @@ cases. Every point (selection rule, recompute fraction f) of the frontier, plus 
 receiver's own native prefill: needle answers (greedy, scored with score_answer), top-1 agreement,
 KL and perplexity of the continuation, and the per-request signals the gate's estimate is fitted on.
 TTFT (translate + select + recompute + suffix + first token) is timed against native prefill in the
-same run on the first needle case of each length. Sender states and native references are cached;
-rows are written as they come and a rerun with the same cases and options resumes.
+same run on the first needle case of each length (native timed before and after the points). The
+quality phase may share the machine; the timing phase must not (`--set phase=timing` under the
+timing lock). Sender states and native references are cached; rows are written as they come and a
+rerun with the same cases resumes (rows are kept by direction, case and point).
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,7 +63,9 @@ OPTIONS = {
     "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts
     "seed": 0,
     "resume": True,
+    "phase": "both",  # quality | timing | both: timing runs must have the machine to themselves
 }
+CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "ref_tokenizer", "seed")
 
 
 @dataclass
@@ -235,7 +240,9 @@ def bench(
     if not lengths or any(n < 64 for n in lengths) or repeats < 1:
         raise UsageError(f"lengths must be token counts >= 64 and repeats >= 1 (got {list(lengths)}, {repeats})")
     opts = {**OPTIONS, **(options or {})}
-    resume = bool(opts.pop("resume"))
+    resume, phase = bool(opts.pop("resume")), str(opts.pop("phase"))
+    if phase not in ("quality", "timing", "both"):
+        raise UsageError(f"phase must be quality, timing or both, not {phase!r}")
     pts, dirs = points(opts), _directions(sender, receiver)
     command = command or f"ctxrelay bench heterofold-frontier --lengths {','.join(map(str, lengths))}"
     cases = build_cases(ref_tokenizer(opts["ref_tokenizer"]), sorted(lengths), opts)
@@ -245,30 +252,34 @@ def bench(
         if not p.exists():
             raise UsageError(f"no heterofold artifact for {s} -> {r} at {p}: run `ctxrelay calibrate` first")
         arts[(s, r)] = Artifact.load(p, transport=TRANSPORT, version=ARTIFACT_VERSION)
-    extra = {"options": opts, "lengths": sorted(lengths), "repeats": repeats, "directions": [list(d) for d in dirs]}
+    extra = {"options": {k: opts[k] for k in CASE_OPTIONS}, "lengths": sorted(lengths), "repeats": repeats}
     extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
     rows = reusable(out, extra) if resume else []
     done = {_row_key(x) for x in rows}
     states = {s: cached_sender_states(s, [c.context for c in cases]) for s in dict.fromkeys(s for s, _ in dirs)}
     firsts = {c.length: c for c in reversed(cases) if c.kind == "needle"}
-    total = len(dirs) * sum(len(pts) + (c is firsts.get(c.length)) * (1 + opts["exact_check"]) for c in cases)
-    bar = tqdm(total=total, desc="heterofold frontier", unit="pt")
+    exact = [("recency", 1.0)] if opts["exact_check"] else []
+    work = len(dirs) * (len(cases) * len(pts) + len(firsts) * (len(exact) + (phase != "quality") * len(pts)))
+    bar = tqdm(total=work, desc="heterofold frontier", unit="pt")
     path = None
+
+    def save(complete: bool = False) -> Path:
+        dirs_done = sorted({(x["sender"], x["receiver"]) for x in rows})
+        meta = {**extra, "directions": [list(d) for d in dirs_done], "points": [list(p) for p in pts + exact]}
+        return write_results(out, rows, command, {**meta, "complete": complete, "summary": summarize(rows)})
+
     for rname in dict.fromkeys(r for _, r in dirs):
         r = zoo.load(rname)
-        for ci, case in enumerate(cases):
+        senders = [s for s, r2 in dirs if r2 == rname]
+        for ci, case in enumerate(cases if phase != "timing" else []):
             ref = native_ref(r, case, opts)
             base = {"receiver": rname, "dataset": case.kind, "length": case.length, "case": case.index,
                     "context_tokens": int(ref.ctx.numel())}  # fmt: skip
-            timed = case is firsts.get(case.length)
-            native_ttft_s = None
-            for sname in [s for s, r2 in dirs if r2 == rname]:
+            for sname in senders:
                 state = ContextState.load(states[sname][ci])
-                case_pts = pts + ([("recency", 1.0)] if timed and opts["exact_check"] else [])
-                for rule, f in case_pts:
+                for rule, f in pts + (exact if case is firsts.get(case.length) else []):
                     bar.update(1)
-                    key = (sname, rname, case.key, rule, f)
-                    if key in done:
+                    if (sname, rname, case.key, rule, f) in done:
                         continue
                     bar.set_postfix_str(f"{sname}->{rname} {case.key} {rule}@{f}")
                     q = relay_point(r, state, arts[(sname, rname)], ref, case, rule, f, opts)
@@ -277,23 +288,46 @@ def bench(
                            "native_answer": ref.answer}  # fmt: skip
                     if case.question:
                         row["native_needle_acc"] = score_answer(ref.answer, case.answer)["exact"]
-                    if timed and f < 1.0:
-                        if native_ttft_s is None:
-                            ids = torch.cat([ref.ctx, ref.q])
-                            native_ttft_s = median_time(lambda ids=ids, m=r: native_ttft(m, ids), repeats, 1)[0]
-                        t = time_point(r, state, arts[(sname, rname)], ref, rule, f, opts, repeats)
-                        row.update(native_ttft_s=native_ttft_s, **t, speedup=native_ttft_s / t["relay_ttft_s"])
                     rows.append(row)
-                    done.add(key)
-                path = write_results(out, rows, command, {**extra, "complete": False})
+                    done.add(_row_key(row))
+                path = save()
+                del state
+        for case in firsts.values() if phase != "quality" else []:
+            ci = cases.index(case)
+            ref = native_ref(r, case, opts)
+            ids = torch.cat([ref.ctx, ref.q])
+            for sname in senders:
+                todo = [(rule, f) for rule, f in pts if ("timing", sname, rname, case.length, rule, f) not in done]
+                if not todo:
+                    bar.update(len(pts))
+                    continue
+                state = ContextState.load(states[sname][ci])
+                native_times = median_time(lambda ids=ids, m=r: native_ttft(m, ids), repeats, 1)[1]
+                timed = []
+                for rule, f in todo:
+                    bar.set_postfix_str(f"timing {sname}->{rname} @ {case.length} {rule}@{f}")
+                    timed.append((rule, f, time_point(r, state, arts[(sname, rname)], ref, rule, f, opts, repeats)))
+                    bar.update(1)
+                native_times += median_time(lambda ids=ids, m=r: native_ttft(m, ids), repeats, 1)[1]
+                native_s = statistics.median(native_times)
+                for rule, f, t in timed:
+                    row = {"transport": "heterofold", "method": "heterofold", "kind": "timing", "sender": sname,
+                           "receiver": rname, "length": case.length, "case_key": case.key, "selection": rule,
+                           "f": f, "context_tokens": int(ref.ctx.numel()), "native_ttft_s": native_s,
+                           "native_times_s": native_times, **t, "speedup": native_s / t["relay_ttft_s"]}  # fmt: skip
+                    rows.append(row)
+                    done.add(_row_key(row))
+                path = save()
                 del state
         del r
         gc.collect()
     bar.close()
-    path = write_results(out, rows, command, {**extra, "complete": True, "summary": summarize(rows)})
+    path = save(complete=True)
     plot(rows, path)
     return path
 
 
 def _row_key(row: dict) -> tuple:
+    if row.get("kind") == "timing":
+        return "timing", row["sender"], row["receiver"], row["length"], row["selection"], row["f"]
     return row["sender"], row["receiver"], row["case_key"], row["selection"], row["f"]

@@ -109,3 +109,31 @@ def test_bad_recompute_options_are_clear(tiny_by_family):
         select(m, "magic", 0.1, ids, offsets, CONTEXT, "", cache, [0])
     with pytest.raises(UsageError, match=r"in \[0, 1\]"):
         select(m, "recency", 1.5, ids, offsets, CONTEXT, "", cache, [0])
+
+
+def test_recompute_stage_measures_each_fraction_and_fits_an_estimate(tiny_by_family):
+    from ctxrelay.transports.heterofold import transport
+    from ctxrelay.transports.heterofold.faithful import calibrate_recompute, fit_estimate
+    from ctxrelay.transports.heterofold.recompute import estimate
+
+    sender, receiver = tiny_by_family["llama"], tiny_by_family["gemma3"]
+    art = zero_artifact(sender, receiver)
+    words = SAMPLE_TEXT.split()
+    texts = [" ".join(words[i:] + words[:i]) * 2 for i in range(0, 30, 6)]
+    res = calibrate_recompute(sender, receiver, art, texts, [0.2, 0.6], suffix_tokens=40)
+    assert [q["f"] for q in res["recompute"]] == [0.2, 0.6]
+    assert res["recompute"][0]["top1_agreement"] <= res["recompute"][1]["top1_agreement"]
+    assert len(res["recompute_rows"]) == 2 * len(texts)
+    est = res["estimate"]
+    assert est["signal"] in ("tail_confidence", "tail_nll", "kv_change", "first_token_p") and -1 <= est["spearman"] <= 1
+    assert 0.0 <= estimate(est, {est["signal"]: 0.5}) <= 1.0 and estimate(est, {}) is None
+    assert fit_estimate([]) == {}
+    # the stage's table becomes the gate's operating points (cheapest first, plain translation first)
+    art.quality.update(top1_agreement=0.5, recompute=res["recompute"], estimate=est)
+    labels = [p["label"] for p in transport.operating_points(art.params, art.quality)]
+    assert labels == ["", "f=0.20 mix", "f=0.60 mix"]
+    suffix = suffix_ids(receiver, QUESTION)
+    state = capture_state(sender, CONTEXT, "t")
+    out = relay_prefill(receiver, state, art, suffix, recompute=0.2)
+    assert 0.0 <= out.info["estimate"] <= 1.0  # every recomputed request reports its estimate
+    assert "estimate" not in relay_prefill(receiver, state, art, suffix).info

@@ -192,10 +192,12 @@ def _signals(m: LoadedModel, ids, cache: KVCache, positions, before, hidden) -> 
         k1, v1 = cache.keys[j][:, :, positions], cache.values[j][:, :, positions]
         dev.append(float(((k1 - k0).norm() + (v1 - v0).norm()) / (k1.norm() + v1.norm()).clamp_min(1e-9)))
     out = {"kv_change": sum(dev) / len(dev)}
-    t = ids.shape[0]
-    n = min(TAIL, t - 1)
-    tail = torch.arange(t - 1 - n, t - 1)
-    if n > 0 and bool(torch.isin(tail, positions).all()):
+    t, held = ids.shape[0], set(positions.tolist())
+    run = 0  # how many of the context's last tokens were recomputed, in a row
+    while run < min(TAIL + 1, t) and (t - 1 - run) in held:
+        run += 1
+    if run >= 2:
+        tail = torch.arange(t - run, t - 1)  # each predicts the next context token, teacher-forced
         rows = torch.searchsorted(positions, tail)
         lp = torch.log_softmax(runner.head(m, hidden[:, rows], "all").float(), -1)
         out["tail_nll"] = float(-lp.gather(1, ids[tail + 1][:, None]).mean())
