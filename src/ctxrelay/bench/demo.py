@@ -71,12 +71,16 @@ def demo_prompt(cfg: DemoConfig, sender) -> tuple[str, str | None, str]:
     return case.prompt, case.answer, what
 
 
-def run_demo(cfg: DemoConfig, console: Console, json_path: Path | None, command: str) -> list[dict]:
+def run_demo(
+    cfg: DemoConfig, console: Console, json_path: Path | None, command: str, pool: ModelPool | None = None
+) -> list[dict]:
+    """The demo on the zoo models (or on the models of a given pool: the tests use tiny ones)."""
     console.rule("[bold]ctxrelay demo")
-    pool = ModelPool(quality_threshold=cfg.quality_threshold)
-    for name in (cfg.sender, *cfg.receivers):
-        console.print(f"loading {name} ...")
-        pool.add(name)
+    if pool is None:
+        pool = ModelPool(quality_threshold=cfg.quality_threshold)
+        for name in (cfg.sender, *cfg.receivers):
+            console.print(f"loading {name} ...")
+            pool.add(name)
     for line in pool.graph.skipped:
         console.print(f"[yellow]artifact skipped:[/] {line}")
     sender = pool.model(cfg.sender)

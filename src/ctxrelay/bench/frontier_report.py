@@ -70,6 +70,41 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def estimate_check(rows: list[dict], estimators: dict[tuple[str, str], dict]) -> list[dict]:
+    """How well each artifact's per-request estimate ranks held-out requests: Spearman of the estimate
+    against per-request top-1 agreement (continuations) and needle correctness (questions), per
+    direction and fraction of the default rule, and pooled over directions."""
+    from scipy.stats import spearmanr
+
+    from ctxrelay.transports.heterofold.recompute import estimate
+
+    def rho(pairs):
+        if len(pairs) < 4 or len({p[0] for p in pairs}) < 2 or len({p[1] for p in pairs}) < 2:
+            return None
+        return float(spearmanr([p[0] for p in pairs], [p[1] for p in pairs]).statistic)
+
+    out, pooled = [], {}
+    for (s, r), model in sorted(estimators.items()):
+        if not model:
+            continue
+        for f in sorted({x["f"] for x in rows if x.get("selection") == model.get("rule", "mix") and x["f"] > 0}):
+            part = [x for x in rows if (x["sender"], x["receiver"]) == (s, r) and x.get("kind") != "timing"
+                    and x["selection"] == model.get("rule", "mix") and x["f"] == f]  # fmt: skip
+            cont = [(estimate(model, x["continuation_info"]), x["top1_agreement"]) for x in part]
+            cont = [(e, y) for e, y in cont if e is not None]
+            qa = [(e, x["needle_acc"]) for x in part
+                  if "needle_acc" in x and (e := estimate(model, x.get("question_info", {}))) is not None]  # fmt: skip
+            pooled.setdefault(f, ([], []))
+            pooled[f][0].extend(cont)
+            pooled[f][1].extend(qa)
+            out.append({"sender": s, "receiver": r, "f": f, "signal": model["signal"], "requests": len(cont),
+                        "spearman_top1": rho(cont), "questions": len(qa), "spearman_needle": rho(qa)})  # fmt: skip
+    for f, (cont, qa) in sorted(pooled.items()):
+        out.append({"sender": "all", "receiver": "all", "f": f, "requests": len(cont), "spearman_top1": rho(cont),
+                    "questions": len(qa), "spearman_needle": rho(qa)})  # fmt: skip
+    return [{k: v for k, v in x.items() if v is not None} for x in out]
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     """Needle accuracy and top-1 agreement vs TTFT speedup, one column per direction, one line per
     rule through its fractions (longest length; quality pooled over lengths)."""

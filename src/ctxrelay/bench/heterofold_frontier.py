@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from ctxrelay import paths, tensorfile
-from ctxrelay.bench.frontier_report import plot, reusable, summarize
+from ctxrelay.bench.frontier_report import estimate_check, plot, reusable, summarize
 from ctxrelay.bench.heterofold import cut_at_tokens
 from ctxrelay.bench.native import native_ttft
 from ctxrelay.bench.results import write_results
@@ -171,7 +171,7 @@ def relay_point(r, state, art, ref: NativeRef, case: Case, rule: str, f: float, 
 
 
 def _signals(info: dict) -> dict:
-    keep = ("recompute_fraction", "recomputed", "sentences", "kv_change", "tail_nll", "tail_confidence")
+    keep = ("recompute_fraction", "recomputed", "sentences", "kv_change", "tail_nll", "tail_confidence", "estimate")
     return {k: info[k] for k in (*keep, "first_token_p", "native_positions") if k in info}
 
 
@@ -266,6 +266,7 @@ def bench(
     def save(complete: bool = False) -> Path:
         dirs_done = sorted({(x["sender"], x["receiver"]) for x in rows})
         meta = {**extra, "directions": [list(d) for d in dirs_done], "points": [list(p) for p in pts + exact]}
+        meta["estimate_check"] = estimate_check(rows, {d: a.quality.get("estimate") for d, a in arts.items()})
         return write_results(out, rows, command, {**meta, "complete": complete, "summary": summarize(rows)})
 
     for rname in dict.fromkeys(r for _, r in dirs):

@@ -73,4 +73,5 @@ def calibrate_recompute(
             rows.append(row)
         res = pooled.result(heldout.HORIZONS)
         table.append({"f": f, "selection": rule, **res, "texts": len(items)})
-    return {"recompute": table, "estimate": fit_estimate([r for r in rows if r["f"] > 0]), "recompute_rows": rows}
+    est = fit_estimate([r for r in rows if r["f"] > 0])
+    return {"recompute": table, "estimate": {**est, "rule": rule} if est else {}, "recompute_rows": rows}

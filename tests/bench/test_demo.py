@@ -1,0 +1,55 @@
+"""The demo on tiny models: rows for every receiver, a table that fits 100 columns, the user's own document."""
+
+import json
+
+import pytest
+from rich.console import Console
+
+from ctxrelay.bench.demo import DemoConfig, run_demo
+from ctxrelay.errors import UsageError
+from ctxrelay.relay import ModelPool
+from ctxrelay.relay.graph import Profile
+
+
+@pytest.fixture
+def pool(tiny_by_family, tmp_path):
+    models = [tiny_by_family[f] for f in ("llama", "qwen2", "gemma3")]
+    p = ModelPool(models, artifact_dirs=[tmp_path / "artifacts"], profile=Profile())
+    p.profile_path = tmp_path / "profile.json"
+    return p
+
+
+def _cfg(pool, **kw) -> DemoConfig:
+    s, *rs = pool.models
+    return DemoConfig(sender=s, receivers=tuple(rs), tokens=160, max_new_tokens=4, profile_lengths=(64, 128), **kw)
+
+
+def test_demo_rows_and_a_table_readable_in_100_columns(pool, tmp_path):
+    console = Console(record=True, width=100)
+    rows = run_demo(_cfg(pool), console, tmp_path / "demo.json", "pytest", pool=pool)
+    assert [r["receiver"] for r in rows] == list(pool.models)[1:]
+    assert all(r["transport"] == "native" and "no calibrated artifact" in r["reason"] for r in rows)
+    assert all(r["answer"] == r["native_answer"] and "needle_acc" in r for r in rows)
+    out = console.export_text()
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "1. " + rows[0]["receiver"] in out and "TTFT" in out  # the reasons are printed below the table
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    assert doc["quality_threshold"] == 0.9 and doc["rows"] == rows
+    assert (tmp_path / "profile.json").exists()  # the cost model was measured once
+
+
+def test_demo_on_the_users_own_document(pool, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The harbour master keeps the tide tables in the blue cabinet. " * 6)
+    rows = run_demo(_cfg(pool, context_file=doc, question="Where are the tide tables?"), Console(width=100), None,
+                    "pytest", pool=pool)  # fmt: skip
+    assert len(rows) == 2 and all("needle_acc" not in r for r in rows)
+    with pytest.raises(UsageError, match="--question"):
+        run_demo(_cfg(pool, context_file=doc), Console(width=100), None, "pytest", pool=pool)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  ")
+    with pytest.raises(UsageError, match="empty"):
+        run_demo(_cfg(pool, context_file=empty, question="q?"), Console(width=100), None, "pytest", pool=pool)
+    with pytest.raises(UsageError, match="cannot read"):
+        run_demo(_cfg(pool, context_file=tmp_path / "missing.txt", question="q?"), Console(width=100), None,
+                 "pytest", pool=pool)  # fmt: skip
