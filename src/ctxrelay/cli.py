@@ -165,7 +165,7 @@ def demo(
     seed: int = typer.Option(0),
     max_new_tokens: int = typer.Option(32, help="answer tokens (at least 24 to score an answer)"),
     quality_threshold: float = typer.Option(
-        0.9, help="minimum top-1 agreement with native, calibrated and estimated per request (0: gist-only speed)"
+        0.85, help="minimum top-1 agreement with native, calibrated and estimated per request (0: gist-only speed)"
     ),
     context: str = typer.Option("", help="your own document (a text file) instead of an essay with a planted fact"),
     question: str = typer.Option("", help="with --context: the question the receivers answer"),
@@ -244,7 +244,7 @@ def serve(
     store: str = typer.Option("memory", help="memory[:SIZE] | disk:PATH | redis://HOST:PORT/DB, joined by '+'"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8321),
-    quality_threshold: float = typer.Option(0.9, help="minimum top-1 agreement with native (0: gist-only speed)"),
+    quality_threshold: float = typer.Option(0.85, help="minimum top-1 agreement with native (0: gist-only speed)"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
 ) -> None:
     """Serve the relay over HTTP (POST /prefill, POST /continue, GET /graph, /models, /healthz)."""

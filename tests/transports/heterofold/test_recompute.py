@@ -114,7 +114,7 @@ def test_bad_recompute_options_are_clear(tiny_by_family):
 def test_recompute_stage_measures_each_fraction_and_fits_an_estimate(tiny_by_family):
     from ctxrelay.transports.heterofold import transport
     from ctxrelay.transports.heterofold.faithful import calibrate_recompute, fit_estimate
-    from ctxrelay.transports.heterofold.recompute import estimate
+    from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate
 
     sender, receiver = tiny_by_family["llama"], tiny_by_family["gemma3"]
     art = zero_artifact(sender, receiver)
@@ -125,7 +125,7 @@ def test_recompute_stage_measures_each_fraction_and_fits_an_estimate(tiny_by_fam
     assert res["recompute"][0]["top1_agreement"] <= res["recompute"][1]["top1_agreement"]
     assert len(res["recompute_rows"]) == 2 * len(texts)
     est = res["estimate"]
-    assert est["signal"] in ("tail_confidence", "tail_nll", "kv_change", "first_token_p") and -1 <= est["spearman"] <= 1
+    assert est["signal"] in SIGNALS and -1 <= est["spearman"] <= 1
     assert 0.0 <= estimate(est, {est["signal"]: 0.5}) <= 1.0 and estimate(est, {}) is None
     assert fit_estimate([]) == {}
     # the stage's table becomes the gate's operating points (cheapest first, plain translation first)

@@ -31,14 +31,16 @@ from rank_bm25 import BM25Okapi
 
 from ctxrelay.errors import UsageError
 from ctxrelay.models import runner
-from ctxrelay.models.attention import native_attention
+from ctxrelay.models.attention import attention_logits, native_attention
 from ctxrelay.models.runner import KVCache
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.text import content_words, sentence_spans
 
 RULES = ("deviation", "lexical", "embedding", "recency", "mix", "adaptive")
-SIGNALS = ("tail_confidence", "tail_nll", "kv_change", "first_token_p")  # candidates for the estimate
-RECENCY_SHARE = 0.25  # of the budget, in mix and adaptive
+SIGNALS = ("translated_attention", "tail_confidence", "tail_nll", "kv_change")  # candidates for the estimate
+RECENCY_SHARE = 0.25  # of the budget, in adaptive
+TAIL = 32  # the context's last tokens whose next-token predictions and attention are signals
+SIGNAL_LAYERS = 4  # layers, spread over the depth, whose K/V change and attention are signals
 MATCH_RATIO = 0.5  # adaptive: sentences scoring >= this share of the best BM25 score
 
 
@@ -168,13 +170,12 @@ def select(
         if rule in ("mix", "adaptive"):  # only the matches
             best = max(scores, default=0.0)
             scores = [s if best > 0 and s >= MATCH_RATIO * best else 0.0 for s in scores]
-        taken = _take_sentences(groups, scores, budget)
+        tail = min(TAIL + 1, budget) if rule == "mix" else 0  # mix always recomputes the last tokens
+        taken = _take_sentences(groups, scores, budget - tail)
         info["sentences"] = len(taken)
         chosen += taken
         if rule == "mix":  # the rest of the budget: the context's last tokens
-            left = budget - sum(g.numel() for g in taken)
-            if left > 0:
-                chosen.append(torch.arange(t - left, t))
+            chosen.append(torch.arange(t - max(tail, budget - sum(g.numel() for g in taken)), t))
     pos = torch.unique(torch.cat([*chosen, torch.tensor(native, dtype=torch.long)]))
     return Selection(pos, rule, info)
 
@@ -189,15 +190,50 @@ def estimate(model: dict | None, info: dict) -> float | None:
 
 
 @torch.inference_mode()
-def recompute(m: LoadedModel, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor, attend: str = "all"):
-    """Overwrite the cache at `positions` with the receiver's own K/V, all layers, in one pass.
+def recompute(
+    m: LoadedModel, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor, attend: str = "all"
+) -> tuple[runner.ForwardOut, dict]:
+    """Overwrite the cache at `positions` with the receiver's own K/V, all layers, in one pass, and
+    return cheap per-request signals of how close the result is to native (the estimate's inputs).
 
     attend="all": each recomputed query sees translated + recomputed entries before it;
-    attend="own": only recomputed entries (and the native sink among them)."""
+    attend="own": only recomputed entries (and the native sink among them).
+    Signals: kv_change (relative change recompute made to the K/V at sampled layers), and where
+    the context's last tokens were recomputed: tail_nll / tail_confidence (the receiver predicting
+    them, teacher-forced) and translated_attention (the share of their attention that lands on
+    translated entries, averaged over sampled layers and heads)."""
     if attend not in ("all", "own"):
         raise UsageError(f"recompute attend must be 'all' or 'own', not {attend!r}")
-    key_mask = None
-    if attend == "own":
-        key_mask = torch.zeros(cache.length, dtype=torch.bool)
-        key_mask[positions] = True
-    return runner.forward(m, ids[positions], cache, positions=positions, key_mask=key_mask, logits="none")
+    t, n = ids.shape[0], positions.numel()
+    own = torch.zeros(cache.length, dtype=torch.bool)
+    own[positions] = True
+    key_mask = own if attend == "own" else None
+    layers = sorted({round(i * (m.spec.num_layers - 1) / max(1, SIGNAL_LAYERS - 1)) for i in range(SIGNAL_LAYERS)})
+    before = {j: (cache.keys[j][:, :, positions].clone(), cache.values[j][:, :, positions].clone()) for j in layers}
+    run = 0  # how many of the context's last tokens were recomputed, in a row
+    while run < min(TAIL + 1, t) and bool(own[t - 1 - run]):
+        run += 1
+    mass: list[float] = []
+
+    def watch(c):
+        if run >= 2:
+            p = torch.softmax(attention_logits(c, slice(n - run, n)).float(), -1)  # [H, run, S]
+            mass.append(float(p[..., ~own[: p.shape[-1]]].sum(-1).mean()))
+        return native_attention(c)
+
+    out = runner.forward(
+        m, ids[positions], cache, positions=positions, key_mask=key_mask, attention=dict.fromkeys(layers, watch),
+        logits="none",
+    )  # fmt: skip
+    change = []
+    for j, (k0, v0) in before.items():
+        k1, v1 = cache.keys[j][:, :, positions], cache.values[j][:, :, positions]
+        change.append(float(((k1 - k0).norm() + (v1 - v0).norm()) / (k1.norm() + v1.norm()).clamp_min(1e-9)))
+    signals = {"kv_change": sum(change) / len(change)}
+    if run >= 2:
+        tail = torch.arange(t - run, t - 1)  # each predicts the next context token
+        lp = torch.log_softmax(runner.head(m, out.hidden[:, torch.searchsorted(positions, tail)], "all").float(), -1)
+        signals["tail_nll"] = float(-lp.gather(1, ids[tail + 1][:, None]).mean())
+        signals["tail_confidence"] = float(lp.max(-1).values.exp().mean())
+        signals["translated_attention"] = sum(mass) / len(mass)
+    return out, signals

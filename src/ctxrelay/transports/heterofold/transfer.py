@@ -141,9 +141,7 @@ def relay_prefill(
             q = query if query is not None else receiver.tokenizer.decode(suffix)
             picked = select(receiver, selection, recompute, ids, offsets, state.text, q, cache, al.native)
         with sw("recompute_s"):
-            before = _sample_kv(cache, picked.positions)
-            rec = recompute_positions(receiver, ids, cache, picked.positions, attend)
-            signals = _signals(receiver, ids, cache, picked.positions, before, rec.hidden)
+            _, signals = recompute_positions(receiver, ids, cache, picked.positions, attend)
     with sw("first_token_s"):
         out = runner.forward(receiver, suffix, cache, logits=logits)
         first = int(out.logits[-1].argmax())
@@ -171,38 +169,6 @@ def relay_prefill(
     if est is not None:
         info["estimate"] = est
     return RelayOutput(out.cache, out.logits, sw.timings, info)
-
-
-def _sample_kv(cache: KVCache, positions: torch.Tensor, layers: int = 4) -> list[tuple]:
-    """The translated K/V at `positions` of a few layers spread over the depth (before recompute)."""
-    n = len(cache.keys)
-    picks = sorted({round(i * (n - 1) / max(1, layers - 1)) for i in range(layers)})
-    return [(j, cache.keys[j][:, :, positions].clone(), cache.values[j][:, :, positions].clone()) for j in picks]
-
-
-TAIL = 32  # recency positions whose teacher-forced next-token prediction is scored
-
-
-def _signals(m: LoadedModel, ids, cache: KVCache, positions, before, hidden) -> dict:
-    """Cheap per-request signals of how close this relay is to native (candidates for the estimate):
-    the relative K/V change recompute made at sampled layers, and the receiver's confidence and NLL
-    predicting the context's last tokens (when they were recomputed)."""
-    dev = []
-    for j, k0, v0 in before:
-        k1, v1 = cache.keys[j][:, :, positions], cache.values[j][:, :, positions]
-        dev.append(float(((k1 - k0).norm() + (v1 - v0).norm()) / (k1.norm() + v1.norm()).clamp_min(1e-9)))
-    out = {"kv_change": sum(dev) / len(dev)}
-    t, held = ids.shape[0], set(positions.tolist())
-    run = 0  # how many of the context's last tokens were recomputed, in a row
-    while run < min(TAIL + 1, t) and (t - 1 - run) in held:
-        run += 1
-    if run >= 2:
-        tail = torch.arange(t - run, t - 1)  # each predicts the next context token, teacher-forced
-        rows = torch.searchsorted(positions, tail)
-        lp = torch.log_softmax(runner.head(m, hidden[:, rows], "all").float(), -1)
-        out["tail_nll"] = float(-lp.gather(1, ids[tail + 1][:, None]).mean())
-        out["tail_confidence"] = float(lp.max(-1).values.exp().mean())
-    return out
 
 
 def make_artifact(
