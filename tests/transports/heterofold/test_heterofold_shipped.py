@@ -95,3 +95,28 @@ def test_shipped_artifact_carries_the_context_qwen15_to_smollm2():
     assert relay_nll < alone_nll - 0.2  # the translated cache carries the context
     assert top1 > 0.5
     assert set(out.timings) == {"translate_s", "copy_s", "assemble_s", "first_token_s"}
+
+
+@pytest.mark.real
+def test_full_recompute_reproduces_native_on_a_real_pair():
+    """f = 1: the receiver recomputes every context token over the translated cache: its native
+    prefill, to fp32 tolerance, whatever the translation left there."""
+    from ctxrelay import zoo
+    from ctxrelay.data.datasets import essay_haystack
+    from ctxrelay.models import runner
+    from ctxrelay.models.capture import capture_state
+    from ctxrelay.models.tokens import context_ids, suffix_ids
+    from ctxrelay.transports.heterofold import relay_prefill
+
+    sender_name, receiver_name = SHIPPED[0]
+    _zoo_manifest(sender_name)
+    art = Artifact.load(_path(sender_name, receiver_name))
+    receiver = zoo.load(receiver_name)
+    context = essay_haystack(receiver.tokenizer, 300, split="heldout", seed=5)
+    state = capture_state(zoo.load(sender_name), context, tenant="test")
+    suffix = suffix_ids(receiver, "\n\nQuestion: What is this essay about?\nAnswer:")
+    native = runner.forward(receiver, torch.cat([context_ids(receiver, context), suffix]), logits="all").logits
+    out = relay_prefill(receiver, state, art, suffix, logits="all", recompute=1.0)
+    assert (out.logits - native[-len(suffix) :]).abs().max() < 1e-3
+    plain = relay_prefill(receiver, state, art, suffix, logits="all")
+    assert (plain.logits - native[-len(suffix) :]).abs().max() > 1e-2  # the translation alone is not native
