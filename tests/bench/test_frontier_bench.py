@@ -42,6 +42,9 @@ def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path):
     assert all(x["timing_gap_max"] < 0.2 and len(x["native_times_s"]) == 2 for x in timed)  # before + after
     assert doc["complete"] and {x["selection"] for x in doc["summary"]} == {"none", "recency", "lexical"}
     assert all("speedup" in x for x in doc["summary"] if x["f"] < 1)
+    # the zero artifact has no recompute table: the gate's replay keeps every request on native prefill
+    (gate,) = doc["gate"]
+    assert gate["requests"] == 3 and gate["points"] == {"native": 3} and gate["needle_cases"] == 2
     assert path.with_suffix(".png").exists()
     # a rerun with the same cases and options measures nothing again
     again = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts, command="pytest")
@@ -60,3 +63,31 @@ def test_frontier_refuses_bad_options():
         hf.points({"rules": "recency", "fractions": "1.0"})
     with pytest.raises(UsageError, match="unknown heterofold-frontier option"):
         hf.bench(sender="S", receiver="R", options={"bogus": 1})
+
+
+def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native():
+    from ctxrelay.bench.frontier_report import gate_replay
+
+    def q(case, rule, f, est, needle, top1=0.9):
+        info = {"tail_confidence": est}
+        return {"sender": "s", "receiver": "r", "length": 4096, "case_key": case, "selection": rule, "f": f,
+                "dataset": "needle", "needle_acc": needle, "native_needle_acc": 1, "top1_agreement": top1,
+                "ppl": {"128": 11.0}, "native_ppl": {"128": 10.0}, "question_info": info,
+                "continuation_info": info}  # fmt: skip
+
+    def t(rule, f, relay_s):
+        return {"kind": "timing", "sender": "s", "receiver": "r", "length": 4096, "selection": rule, "f": f,
+                "relay_ttft_s": relay_s, "native_ttft_s": 10.0}  # fmt: skip
+
+    rows = [t("none", 0.0, 0.5), t("mix", 0.1, 1.0), t("mix", 0.2, 2.0), t("mix", 0.3, 9.5)]
+    for case, (e1, e2) in {"a": (0.9, 0.9), "b": (0.5, 0.9), "c": (0.5, 0.5)}.items():
+        rows += [q(case, "none", 0.0, None, 0), q(case, "mix", 0.1, e1, 1), q(case, "mix", 0.2, e2, 1),
+                 q(case, "mix", 0.3, 0.99, 1)]  # fmt: skip
+    table = [{"f": f, "selection": "mix", "top1_agreement": a} for f, a in ((0.1, 0.86), (0.2, 0.9), (0.3, 0.95))]
+    est = {"signal": "tail_confidence", "coef": [0.0, 1.0]}
+    (g,) = gate_replay(rows, {("s", "r"): {"recompute": table, "estimate": est}}, 0.85, 1.1)
+    # a: accepted at f=0.1 (1 s); b: 0.1 fails, 0.2 passes (1 + 2 s); c: both fail, f=0.3 is not 1.1x
+    # faster than native so it is no candidate: native after paying 3 s (13 s)
+    assert g["points"] == {"f=0.10 mix": 1, "f=0.20 mix": 1, "native": 1}
+    assert g["needle_acc"] == 1.0 and g["native_needle_acc"] == 1.0
+    assert abs(g["speedup"] - 10.0 / ((1.0 + 3.0 + 13.0) / 3)) < 1e-9

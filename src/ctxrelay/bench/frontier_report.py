@@ -147,3 +147,74 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def _candidates(table: list[dict], timing: dict, key: tuple, threshold: float, margin: float) -> list[tuple]:
+    """(rule, f, relay_s, native_s) of the points passing calibrated quality and measured speed, by f."""
+    out = []
+    for p in sorted(table, key=lambda p: p["f"]):
+        t = timing.get((*key, p["selection"], p["f"]))
+        if p["top1_agreement"] >= threshold and t and t["relay_ttft_s"] * margin < t["native_ttft_s"]:
+            out.append((p["selection"], p["f"], t["relay_ttft_s"], t["native_ttft_s"]))
+    return out
+
+
+def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, threshold: float) -> dict:
+    """One request through the gate: the first candidate whose estimate passes, else native."""
+    from ctxrelay.transports.heterofold.recompute import estimate
+
+    native = by_case.get((*key, "none", 0.0), {})
+    spent = 0.0
+    for rule, f, relay_s, native_s in cands:
+        row = by_case.get((*key, rule, f))
+        if row is None or (spent and spent + relay_s >= native_s):
+            break
+        spent += relay_s
+        e = estimate(model, row.get("question_info") or row["continuation_info"])
+        if e is not None and e >= threshold:
+            ratio = row["ppl"]["128"] / row["native_ppl"]["128"] if "128" in row["ppl"] else None
+            return {"point": f"f={f:.2f} {rule}", "ttft_s": spent, "native_ttft_s": native_s,
+                    "top1": row["top1_agreement"], "needle": row.get("needle_acc"), "ppl_ratio": ratio,
+                    "native_needle": native.get("native_needle_acc"), "dataset": native.get("dataset")}  # fmt: skip
+    native_s = cands[0][3] if cands else None
+    return {"point": "native", "ttft_s": spent + native_s if native_s else None, "native_ttft_s": native_s,
+            "top1": 1.0, "needle": native.get("native_needle_acc"), "ppl_ratio": 1.0,
+            "native_needle": native.get("native_needle_acc"), "dataset": native.get("dataset")}  # fmt: skip
+
+
+def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: float) -> list[dict]:
+    """The gate's default decision, replayed per request on the measured rows.
+
+    Per direction and length: the operating points whose calibrated top-1 (the artifact's recompute
+    table) meets `threshold` and whose measured TTFT (timing rows) beats native by `margin`, cheapest
+    first. Per request: relay at the first; accept when the artifact's estimate for that request
+    (from the row's signals) meets the threshold, else pay that relay and try the next while time is
+    left, else native prefill. Answers, top-1 and TTFT come from the rows of the points tried."""
+    timing = {_point_key(x): x for x in rows if x.get("kind") == "timing"}
+    quality = [x for x in rows if x.get("kind") != "timing"]
+    by_case = {(x["sender"], x["receiver"], x["case_key"], x["selection"], x["f"]): x for x in quality}
+    out = []
+    for (s, r), q in sorted(qualities.items()):
+        for n in sorted({x["length"] for x in quality if (x["sender"], x["receiver"]) == (s, r)}):
+            cands = _candidates(q.get("recompute", []), timing, (s, r, n), threshold, margin)
+            cases = sorted({x["case_key"] for x in quality if (x["sender"], x["receiver"], x["length"]) == (s, r, n)})
+            res = [_replay(cands, by_case, (s, r, ck), q.get("estimate"), threshold) for ck in cases]
+            needles = [x for x in res if x["native_needle"] is not None]
+            timed = [x for x in res if x["ttft_s"]]
+            item = {"sender": s, "receiver": r, "length": n, "threshold": threshold, "requests": len(res),
+                    "points": {p: sum(1 for x in res if x["point"] == p) for p in sorted({x["point"] for x in res})},
+                    "needle_cases": len(needles), "needle_acc": _mean(x["needle"] for x in needles),
+                    "native_needle_acc": _mean(x["native_needle"] for x in needles)}  # fmt: skip
+            for ds, label in (("needle", "essays"), ("sharegpt", "sharegpt")):
+                part = [x for x in res if x["dataset"] == ds]
+                item[f"{label}_top1"] = _mean(x["top1"] for x in part)
+                item[f"{label}_ppl128_ratio"] = _geo(x["ppl_ratio"] for x in part)
+            if timed:
+                native_s = statistics.median(x["native_ttft_s"] for x in timed)
+                item["speedup"] = native_s / statistics.mean(x["ttft_s"] for x in timed)
+            out.append({k: v for k, v in item.items() if v is not None})
+    return out
+
+
+def _point_key(x: dict) -> tuple:
+    return x["sender"], x["receiver"], x["length"], x["selection"], x["f"]

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from ctxrelay import paths, tensorfile
-from ctxrelay.bench.frontier_report import estimate_check, plot, reusable, summarize
+from ctxrelay.bench.frontier_report import estimate_check, gate_replay, plot, reusable, summarize
 from ctxrelay.bench.heterofold import cut_at_tokens
 from ctxrelay.bench.native import native_ttft
 from ctxrelay.bench.results import write_results
@@ -38,6 +38,7 @@ from ctxrelay.errors import UsageError
 from ctxrelay.metrics import compare
 from ctxrelay.models import runner
 from ctxrelay.models.tokens import context_ids, suffix_ids
+from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP
 from ctxrelay.state import ContextState
 from ctxrelay.timing import median_time
 from ctxrelay.transports.heterofold.data import text_key
@@ -267,6 +268,7 @@ def bench(
         dirs_done = sorted({(x["sender"], x["receiver"]) for x in rows})
         meta = {**extra, "directions": [list(d) for d in dirs_done], "points": [list(p) for p in pts + exact]}
         meta["estimate_check"] = estimate_check(rows, {d: a.quality.get("estimate") for d, a in arts.items()})
+        meta["gate"] = gate_replay(rows, {d: a.quality for d, a in arts.items()}, DEFAULT_QUALITY, MIN_SPEEDUP)
         return write_results(out, rows, command, {**meta, "complete": complete, "summary": summarize(rows)})
 
     for rname in dict.fromkeys(r for _, r in dirs):
