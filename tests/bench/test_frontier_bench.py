@@ -84,7 +84,7 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
         rows += [q(case, "none", 0.0, None, 0), q(case, "mix", 0.1, e1, 1), q(case, "mix", 0.2, e2, 1),
                  q(case, "mix", 0.3, 0.99, 1)]  # fmt: skip
     table = [{"f": f, "selection": "mix", "top1_agreement": a} for f, a in ((0.1, 0.86), (0.2, 0.9), (0.3, 0.95))]
-    est = {"signal": "tail_confidence", "coef": [0.0, 1.0]}
+    est = {"signal": "tail_confidence", "slope": 1.0, "centres": {"0.1": [0.0, 0.0]}}  # estimate = the signal
     (g,) = gate_replay(rows, {("s", "r"): {"recompute": table, "estimate": est}}, 0.85, 1.1)
     # a: accepted at f=0.1 (1 s); b: 0.1 fails, 0.2 passes (1 + 2 s); c: both fail, f=0.3 is not 1.1x
     # faster than native so it is no candidate: native after paying 3 s (13 s)

@@ -90,10 +90,10 @@ def estimate_check(rows: list[dict], estimators: dict[tuple[str, str], dict]) ->
         for f in sorted({x["f"] for x in rows if x.get("selection") == model.get("rule", "mix") and x["f"] > 0}):
             part = [x for x in rows if (x["sender"], x["receiver"]) == (s, r) and x.get("kind") != "timing"
                     and x["selection"] == model.get("rule", "mix") and x["f"] == f]  # fmt: skip
-            cont = [(estimate(model, x["continuation_info"]), x["top1_agreement"]) for x in part]
+            cont = [(estimate(model, _info(x, "continuation_info")), x["top1_agreement"]) for x in part]
             cont = [(e, y) for e, y in cont if e is not None]
             qa = [(e, x["needle_acc"]) for x in part
-                  if "needle_acc" in x and (e := estimate(model, x.get("question_info", {}))) is not None]  # fmt: skip
+                  if "needle_acc" in x and (e := estimate(model, _info(x, "question_info"))) is not None]  # fmt: skip
             pooled.setdefault(f, ([], []))
             pooled[f][0].extend(cont)
             pooled[f][1].extend(qa)
@@ -170,7 +170,7 @@ def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, t
         if row is None or (spent and spent + relay_s >= native_s):
             break
         spent += relay_s
-        e = estimate(model, row.get("question_info") or row["continuation_info"])
+        e = estimate(model, _info(row, "question_info" if row.get("question_info") else "continuation_info"))
         if e is not None and e >= threshold:
             ratio = row["ppl"]["128"] / row["native_ppl"]["128"] if "128" in row["ppl"] else None
             return {"point": f"f={f:.2f} {rule}", "ttft_s": spent, "native_ttft_s": native_s,
@@ -214,6 +214,11 @@ def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: flo
                 item["speedup"] = native_s / statistics.mean(x["ttft_s"] for x in timed)
             out.append({k: v for k, v in item.items() if v is not None})
     return out
+
+
+def _info(row: dict, which: str) -> dict:
+    """A row's relay signals with the fraction asked for (what the estimate is centred on)."""
+    return {"requested_fraction": row["f"], **row.get(which, {})}
 
 
 def _point_key(x: dict) -> tuple:

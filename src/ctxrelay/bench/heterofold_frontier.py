@@ -172,7 +172,9 @@ def relay_point(r, state, art, ref: NativeRef, case: Case, rule: str, f: float, 
 
 
 def _signals(info: dict) -> dict:
-    keep = ("recompute_fraction", "recomputed", "sentences", "kv_change", "tail_nll", "tail_confidence", "estimate")
+    from ctxrelay.transports.heterofold.recompute import SIGNALS
+
+    keep = ("recompute_fraction", "requested_fraction", "recomputed", "sentences", "estimate", *SIGNALS)
     return {k: info[k] for k in (*keep, "first_token_p", "native_positions") if k in info}
 
 

@@ -29,21 +29,29 @@ DEFAULT_RULE = "mix"
 
 
 def fit_estimate(rows: list[dict]) -> dict:
-    """The signal with the highest |Spearman| against per-text top-1 agreement, and its line."""
+    """The per-request estimate: the signal whose ranking of texts follows their top-1 agreement best
+    AT A FIXED f (mean Spearman over the fractions; pooled over fractions f itself would explain it),
+    and one slope fitted on the signal and top-1 centred per f. estimate = the calibrated mean top-1
+    at f + slope * (signal - its mean at f)."""
+    fs = sorted({r["f"] for r in rows})
     best = None
     for sig in SIGNALS:
-        pairs = [(r[sig], r["top1_agreement"]) for r in rows if sig in r]
-        if len(pairs) < 4:
+        rhos, xs, ys, centres = [], [], [], {}
+        for f in fs:
+            part = [(float(r[sig]), float(r["top1_agreement"])) for r in rows if r["f"] == f and sig in r]
+            if len(part) < 4 or len({x for x, _ in part}) < 2 or len({y for _, y in part}) < 2:
+                continue
+            rhos.append(float(spearmanr([x for x, _ in part], [y for _, y in part]).statistic))
+            mx, my = sum(x for x, _ in part) / len(part), sum(y for _, y in part) / len(part)
+            centres[str(f)] = [mx, my]
+            xs += [x - mx for x, _ in part]
+            ys += [y - my for _, y in part]
+        if not rhos or not any(xs):
             continue
-        x = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
-        y = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
-        rho = float(spearmanr(x.numpy(), y.numpy()).statistic)
-        if rho != rho:  # nan: a constant signal
-            continue
+        rho = sum(rhos) / len(rhos)
+        slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
         if best is None or abs(rho) > abs(best["spearman"]):
-            design = torch.stack([torch.ones_like(x), x], 1)
-            coef = torch.linalg.lstsq(design, y[:, None]).solution[:, 0]
-            best = {"signal": sig, "coef": [float(coef[0]), float(coef[1])], "spearman": rho, "texts": len(pairs)}
+            best = {"signal": sig, "slope": slope, "centres": centres, "spearman": rho, "texts": len(xs)}
     return best or {}
 
 

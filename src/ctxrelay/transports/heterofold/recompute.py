@@ -181,12 +181,15 @@ def select(
 
 
 def estimate(model: dict | None, info: dict) -> float | None:
-    """Predicted top-1 agreement of THIS request from its signals (faithful.fit_estimate's line), or
-    None where the artifact has no estimate or the signal was not measured (no recompute)."""
-    if not model or model.get("signal") not in info:
+    """Predicted top-1 agreement of THIS request (faithful.fit_estimate): the calibrated mean at the
+    request's fraction plus the slope times how far its signal lies from that fraction's mean. None
+    where the artifact has no estimate or the signal was not measured (no recompute)."""
+    if not model or "centres" not in model or model.get("signal") not in info or "requested_fraction" not in info:
         return None
-    a, b = model["coef"]
-    return float(min(1.0, max(0.0, a + b * float(info[model["signal"]]))))
+    f = float(info["requested_fraction"])
+    key = min(model["centres"], key=lambda k: abs(float(k) - f))
+    mean_signal, mean_top1 = model["centres"][key]
+    return float(min(1.0, max(0.0, mean_top1 + model["slope"] * (float(info[model["signal"]]) - mean_signal))))
 
 
 @torch.inference_mode()
