@@ -37,7 +37,8 @@ from ctxrelay.models.spec import LoadedModel
 from ctxrelay.text import content_words, sentence_spans
 
 RULES = ("deviation", "lexical", "embedding", "recency", "mix", "adaptive")
-SIGNALS = ("translated_attention", "tail_confidence", "tail_nll", "kv_change")  # candidates for the estimate
+# candidates for the per-request estimate (recompute signals; the alignment's share of shared token ends)
+SIGNALS = ("translated_attention", "tail_confidence", "tail_nll", "kv_change", "exact_share", "char_mismatch")
 RECENCY_SHARE = 0.25  # of the budget, in adaptive
 TAIL = 32  # the context's last tokens whose next-token predictions and attention are signals
 SIGNAL_LAYERS = 4  # layers, spread over the depth, whose K/V change and attention are signals
@@ -52,11 +53,14 @@ class Selection:
 
 
 def query_text(context: str, query: str | None) -> str:
-    """What relevance is judged against: the appended span, else the context's last sentence."""
+    """What relevance is judged against: the appended span, else the context's last sentence that
+    has content words (a question at the end of the context, before its "Answer:")."""
     if query and content_words(query):
         return query
-    spans = sentence_spans(context)
-    return context[spans[-1][0] : spans[-1][1]] if spans else ""
+    for a, b in reversed(sentence_spans(context)[-3:]):
+        if content_words(context[a:b]):
+            return context[a:b]
+    return ""
 
 
 def sentence_tokens(offsets: torch.Tensor, text: str) -> list[torch.Tensor]:

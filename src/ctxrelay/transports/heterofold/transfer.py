@@ -152,6 +152,7 @@ def relay_prefill(
         "sender_tokens": state.num_tokens,
         "native_positions": len(al.native),
         "exact_boundaries": al.exact,
+        "exact_share": al.exact / max(1, int(ids.numel())),  # receiver tokens whose end a sender token shares
         "char_mismatch": al.char_mismatch,
         "first_token": first,
         "first_token_p": float(torch.softmax(out.logits[-1].float(), -1).max()),
