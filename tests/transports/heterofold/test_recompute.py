@@ -98,7 +98,7 @@ def test_every_rule_picks_valid_positions_within_its_budget(tiny_by_family, rule
 
 def test_the_query_defaults_to_the_contexts_last_sentence():
     assert query_text("First sentence. What is the code?", "") == "What is the code?"
-    assert query_text("Text.\n\nQuestion: What is the code?\nAnswer:", "") == "Question: What is the code?"
+    assert query_text("Text.\n\nQuestion: What is the code?\nAnswer:", "").strip() == "Question: What is the code?"
     assert query_text("First sentence.", " Answer: the code") == " Answer: the code"
 
 
