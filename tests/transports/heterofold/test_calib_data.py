@@ -26,3 +26,21 @@ def test_calibration_texts_are_split_by_the_datasets_splits():
 def test_calibrate_refuses_unknown_methods_before_loading_anything():
     with pytest.raises(UsageError, match="unknown heterofold method"):
         calib_data.calibrate_job("smollm2-135m", "gemma3-270m", options={"method": "ridge+ta,ridge"})
+
+
+def test_refit_stage_refits_the_estimate_from_the_stored_rows(tiny_by_family, tmp_path):
+    from conftest import zero_artifact
+    from ctxrelay.artifact import Artifact
+
+    art = zero_artifact(tiny_by_family["llama"], tiny_by_family["qwen2"])
+    rows = [{"f": f, "top1_agreement": 0.8 + 0.01 * i + f / 10, "tail_confidence": 0.3 + 0.02 * i, "kv_change": 0.5}
+            for f in (0.1, 0.2) for i in range(6)]  # fmt: skip
+    art.params["recompute_stage"] = {"rows": rows, "rule": "mix"}
+    path = art.save(tmp_path / "a.safetensors")
+    calib_data.calibrate_job("a", "b", out=str(path), options={"stage": "refit"}, command="test")
+    est = Artifact.load(path).quality["estimate"]
+    assert est["signal"] == "tail_confidence" and est["spearman"] == 1.0 and est["rule"] == "mix"
+    assert set(est["centres"]) == {"0.1", "0.2"} and abs(est["slope"] - 0.5) < 1e-9
+    with pytest.raises(UsageError, match="no recompute stage"):
+        calib_data.calibrate_job("a", "b", out=str(zero_artifact(tiny_by_family["llama"], tiny_by_family["qwen2"])
+                                                   .save(tmp_path / "b.safetensors")), options={"stage": "refit"})

@@ -130,9 +130,11 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
         known = ", ".join(heterofold.METHODS)
         raise UsageError(f"unknown heterofold method(s) {bad}: use all, or a comma list of {known}")
     stage = cal_opts.pop("stage", "all")
-    if stage not in ("all", "recompute"):
-        raise UsageError(f"unknown heterofold calibration stage {stage!r}: use all or recompute")
+    if stage not in ("all", "recompute", "refit"):
+        raise UsageError(f"unknown heterofold calibration stage {stage!r}: use all, recompute or refit")
     command = command or _command(sender, receiver, options)
+    if stage == "refit":  # the estimate again from the recompute stage's stored rows (no model runs)
+        return _refit(Path(out) if out else find_artifact(sender, receiver), command)
     s, r = zoo.load(sender), zoo.load(receiver)
     path = None
     if stage == "recompute":
@@ -156,6 +158,21 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
         art.save(path)
     del s, r
     gc.collect()
+    return path
+
+
+def _refit(path: Path, command: str) -> Path:
+    from ctxrelay.transports import heterofold
+    from ctxrelay.transports.heterofold.faithful import fit_estimate
+
+    art = Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
+    stage = art.params.get("recompute_stage")
+    if not stage:
+        raise UsageError(f"{path} has no recompute stage to refit: run --set stage=recompute first")
+    est = fit_estimate([r for r in stage["rows"] if r["f"] > 0])
+    art.quality["estimate"] = {**est, "rule": stage.get("rule", "mix")} if est else {}
+    stage["refit_command"] = command
+    art.save(path)
     return path
 
 
