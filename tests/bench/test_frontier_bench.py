@@ -91,3 +91,13 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
     assert g["points"] == {"f=0.10 mix": 1, "f=0.20 mix": 1, "native": 1}
     assert g["needle_acc"] == 1.0 and g["native_needle_acc"] == 1.0
     assert abs(g["speedup"] - 10.0 / ((1.0 + 3.0 + 13.0) / 3)) < 1e-9
+
+
+def test_a_quality_only_run_still_plots(tmp_path):
+    from ctxrelay.bench.frontier_report import plot
+
+    row = {"sender": "s", "receiver": "r", "length": 512, "case_key": "needle-512-0", "dataset": "needle",
+           "top1_agreement": 0.8, "kl": 0.1, "ppl": {"128": 2.0}, "native_ppl": {"128": 1.9},
+           "needle_acc": 1, "native_needle_acc": 1, "recompute_fraction": 0.0}  # fmt: skip
+    rows = [{**row, "selection": "none", "f": 0.0}, {**row, "selection": "mix", "f": 0.2, "recompute_fraction": 0.2}]
+    assert plot(rows, tmp_path / "x.json").exists()

@@ -116,10 +116,11 @@ def plot(rows: list[dict], path: Path) -> Path:
     summary = summarize(rows)
     dirs = sorted({(x["sender"], x["receiver"]) for x in summary})
     longest = max(x["length"] for x in summary)
+    timed = any("speedup" in x for x in summary)  # a quality-only run plots against f instead
     fig, axes = plt.subplots(2, len(dirs), figsize=(3.6 * len(dirs), 6.4), dpi=110, squeeze=False)
     for col, (s, r) in enumerate(dirs):
         pts = [x for x in summary if (x["sender"], x["receiver"]) == (s, r)]
-        speed = {(x["selection"], x["f"]): x.get("speedup") for x in pts if x["length"] == longest}
+        speed = {(x["selection"], x["f"]): x.get("speedup") if timed else x["f"] for x in pts if x["length"] == longest}
         for row_i, (metric, label) in enumerate((("needle_acc", "needle accuracy"), ("essays_top1", "top-1 (essays)"))):
             ax = axes[row_i][col]
             for rule in sorted({x["selection"] for x in pts}):
@@ -136,8 +137,9 @@ def plot(rows: list[dict], path: Path) -> Path:
                 nat = [x["native_needle_acc"] for x in pts if "native_needle_acc" in x]
                 if nat:
                     ax.axhline(sum(nat) / len(nat), color="grey", ls="--", lw=1, label="native")
-            ax.set_xscale("log")
-            ax.set_xlabel(f"TTFT speedup at {longest} tokens (x)")
+            if timed:
+                ax.set_xscale("log")
+            ax.set_xlabel(f"TTFT speedup at {longest} tokens (x)" if timed else "recompute fraction f")
             ax.set_ylabel(label)
             ax.set_title(f"{s} -> {r}", fontsize=8)
             ax.grid(alpha=0.3)
