@@ -139,3 +139,12 @@ def test_recompute_stage_measures_each_fraction_and_fits_an_estimate(tiny_by_fam
     out = relay_prefill(receiver, state, art, suffix, recompute=0.2)
     assert 0.0 <= out.info["estimate"] <= 1.0  # every recomputed request reports its estimate
     assert "estimate" not in relay_prefill(receiver, state, art, suffix).info
+
+
+def test_copy_sources_find_what_followed_the_contexts_last_tokens_earlier():
+    from ctxrelay.transports.heterofold.recompute import copy_sources
+
+    ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14] + list(range(100, 130)) + [7, 8, 9, 10, 11, 12])
+    pos = copy_sources(ids, budget=12, n=6)
+    assert pos.tolist() == list(range(2, 14))  # the earlier "7..12" and what came after it
+    assert copy_sources(torch.arange(50), budget=12, n=6).numel() == 0  # nothing repeats

@@ -13,8 +13,10 @@ sentence):
   lexical    whole sentences ranked by BM25 against the query's content words
   embedding  whole sentences ranked by cosine to the query in the receiver's input embeddings
   recency    the last tokens of the context
-  mix        the sentences matching the query (BM25 score >= half the best, while they fit: needle
-             facts), then the last tokens for the rest of the budget (what a continuation depends on)
+  mix        the last 33 tokens; where the context's last 6 tokens occurred before, what followed
+             them there (a continuation that repeats the context copies from there; up to a quarter
+             of the budget); the sentences matching the query (BM25 score >= half the best, while
+             they fit: needle facts); then more of the last tokens for the rest of the budget
   adaptive   the matching sentences + a recency window of a quarter of the budget: the matches
              decide f (f is a cap; the best match always goes in)
 Measured (bench heterofold-frontier): the deviation rule helps neither facts nor continuations
@@ -42,7 +44,9 @@ SIGNALS = ("translated_attention", "tail_confidence", "tail_nll", "kv_change", "
 RECENCY_SHARE = 0.25  # of the budget, in adaptive
 TAIL = 32  # the context's last tokens whose next-token predictions and attention are signals
 SIGNAL_LAYERS = 4  # layers, spread over the depth, whose K/V change and attention are signals
-MATCH_RATIO = 0.5  # adaptive: sentences scoring >= this share of the best BM25 score
+MATCH_RATIO = 0.5  # mix, adaptive: sentences scoring >= this share of the best BM25 score
+COPY_NGRAM = 6  # mix: the context's last tokens looked up earlier in the context
+COPY_SHARE = 0.25  # mix: at most this share of the budget goes to what followed those earlier occurrences
 
 
 @dataclass
@@ -72,6 +76,22 @@ def sentence_tokens(offsets: torch.Tensor, text: str) -> list[torch.Tensor]:
     keep = (offsets[:, 1] > offsets[:, 0]) & (which >= 0) & (which < len(spans))
     idx = torch.arange(offsets.shape[0])
     return [idx[keep & (which == s)] for s in range(len(spans))]
+
+
+def copy_sources(ids: torch.Tensor, budget: int, n: int = COPY_NGRAM) -> torch.Tensor:
+    """Where the context's last n tokens occurred before, the tokens from there on (a continuation that
+    repeats the context copies from there, as prompt-lookup decoding assumes), latest first, within
+    `budget`."""
+    t = ids.shape[0]
+    if t <= 2 * n or budget <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    hits = (ids[: t - n].unfold(0, n, 1) == ids[t - n :]).all(1).nonzero().view(-1)  # earlier starts
+    hits = hits[hits + n < t - n]
+    if not hits.numel():
+        return torch.zeros(0, dtype=torch.long)
+    per = max(n + 1, budget // min(4, hits.numel()))
+    spans = [torch.arange(int(p), min(int(p) + per, t)) for p in hits.flip(0)[:4]]
+    return torch.unique(torch.cat(spans))[:budget]
 
 
 def _take_sentences(groups: list[torch.Tensor], scores: list[float], budget: int) -> list[torch.Tensor]:
@@ -175,11 +195,15 @@ def select(
             best = max(scores, default=0.0)
             scores = [s if best > 0 and s >= MATCH_RATIO * best else 0.0 for s in scores]
         tail = min(TAIL + 1, budget) if rule == "mix" else 0  # mix always recomputes the last tokens
-        taken = _take_sentences(groups, scores, budget - tail)
+        copied = copy_sources(ids, round(COPY_SHARE * budget)) if rule == "mix" else torch.zeros(0, dtype=torch.long)
+        chosen.append(copied)
+        info["copied"] = int(copied.numel())
+        taken = _take_sentences(groups, scores, budget - tail - copied.numel())
         info["sentences"] = len(taken)
         chosen += taken
         if rule == "mix":  # the rest of the budget: the context's last tokens
-            chosen.append(torch.arange(t - max(tail, budget - sum(g.numel() for g in taken)), t))
+            left = budget - copied.numel() - sum(g.numel() for g in taken)
+            chosen.append(torch.arange(t - max(tail, left), t))
     pos = torch.unique(torch.cat([*chosen, torch.tensor(native, dtype=torch.long)]))
     return Selection(pos, rule, info)
 
