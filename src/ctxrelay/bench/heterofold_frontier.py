@@ -65,6 +65,7 @@ OPTIONS = {
     "seed": 0,
     "resume": True,
     "phase": "both",  # quality | timing | both: timing runs must have the machine to themselves
+    "redo": "",  # comma list of rules whose kept rows are measured again (after a change to the rule)
 }
 CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "ref_tokenizer", "seed")
 
@@ -244,6 +245,7 @@ def bench(
         raise UsageError(f"lengths must be token counts >= 64 and repeats >= 1 (got {list(lengths)}, {repeats})")
     opts = {**OPTIONS, **(options or {})}
     resume, phase = bool(opts.pop("resume")), str(opts.pop("phase"))
+    redo = {r for r in str(opts.pop("redo")).split(",") if r}
     if phase not in ("quality", "timing", "both"):
         raise UsageError(f"phase must be quality, timing or both, not {phase!r}")
     pts, dirs = points(opts), _directions(sender, receiver)
@@ -257,7 +259,7 @@ def bench(
         arts[(s, r)] = Artifact.load(p, transport=TRANSPORT, version=ARTIFACT_VERSION)
     extra = {"options": {k: opts[k] for k in CASE_OPTIONS}, "lengths": sorted(lengths), "repeats": repeats}
     extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
-    rows = reusable(out, extra) if resume else []
+    rows = [x for x in (reusable(out, extra) if resume else []) if x["selection"] not in redo]
     done = {_row_key(x) for x in rows}
     states = {s: cached_sender_states(s, [c.context for c in cases]) for s in dict.fromkeys(s for s, _ in dirs)}
     firsts = {c.length: c for c in reversed(cases) if c.kind == "needle"}
