@@ -65,7 +65,7 @@ OPTIONS = {
     "seed": 0,
     "resume": True,
     "phase": "both",  # quality | timing | both: timing runs must have the machine to themselves
-    "redo": "",  # comma list of rules whose kept rows are measured again (after a change to the rule)
+    "redo": "",  # comma list of rules whose kept rows of this phase are measured again (the rule changed)
 }
 CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "ref_tokenizer", "seed")
 
@@ -259,7 +259,11 @@ def bench(
         arts[(s, r)] = Artifact.load(p, transport=TRANSPORT, version=ARTIFACT_VERSION)
     extra = {"options": {k: opts[k] for k in CASE_OPTIONS}, "lengths": sorted(lengths), "repeats": repeats}
     extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
-    rows = [x for x in (reusable(out, extra) if resume else []) if x["selection"] not in redo]
+    def stale(x: dict) -> bool:  # a row of a rule to measure again, in the phase this run measures
+        timing = x.get("kind") == "timing"
+        return x["selection"] in redo and (phase == "both" or timing == (phase == "timing"))
+
+    rows = [x for x in (reusable(out, extra) if resume else []) if not stale(x)]
     done = {_row_key(x) for x in rows}
     states = {s: cached_sender_states(s, [c.context for c in cases]) for s in dict.fromkeys(s for s, _ in dirs)}
     firsts = {c.length: c for c in reversed(cases) if c.kind == "needle"}
