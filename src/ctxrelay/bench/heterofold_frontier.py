@@ -268,7 +268,8 @@ def bench(
     states = {s: cached_sender_states(s, [c.context for c in cases]) for s in dict.fromkeys(s for s, _ in dirs)}
     firsts = {c.length: c for c in reversed(cases) if c.kind == "needle"}
     exact = [("recency", 1.0)] if opts["exact_check"] else []
-    work = len(dirs) * (len(cases) * len(pts) + len(firsts) * (len(exact) + (phase != "quality") * len(pts)))
+    quality_work = (phase != "timing") * (len(cases) * len(pts) + len(firsts) * len(exact))
+    work = len(dirs) * (quality_work + (phase != "quality") * len(firsts) * len(pts))
     bar = tqdm(total=work, desc="heterofold frontier", unit="pt")
     path = None
 
