@@ -26,7 +26,7 @@ def tiny_world(tiny_by_family, tmp_path, monkeypatch):
     return s, r
 
 
-def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path):
+def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path, capsys):
     opts = {"needles": 2, "sharegpt": 1, "rules": "recency,lexical", "fractions": "0.5", "continuation": 17,
             "answer_tokens": 4}  # fmt: skip
     path = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts, command="pytest")
@@ -46,6 +46,12 @@ def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path):
     (gate,) = doc["gate"]
     assert gate["requests"] == 3 and gate["points"] == {"native": 3} and gate["needle_cases"] == 2
     assert path.with_suffix(".png").exists()
+    # the report phase measures nothing: it prints the run's three tables and redraws the plot
+    path.with_suffix(".png").unlink()
+    assert hf.bench(sender="S", receiver="R", options={"phase": "report"}) == path.with_suffix(".png")
+    report = capsys.readouterr().out
+    assert "| S -> R | 160 | lexical | 0.50 |" in report and "| S -> R | 160 | 3 | native x3 | " in report
+    assert report.count("\n|---") == 3 and path.with_suffix(".png").exists()
     # a rerun with the same cases and options measures nothing again
     again = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts, command="pytest")
     assert json.loads(again.read_text())["rows"] == doc["rows"]

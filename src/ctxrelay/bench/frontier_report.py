@@ -225,3 +225,46 @@ def _info(row: dict, which: str) -> dict:
 
 def _point_key(x: dict) -> tuple:
     return x["sender"], x["receiver"], x["length"], x["selection"], x["f"]
+
+
+def _cell(x, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _needles(x: dict) -> str:
+    n = x.get("needle_cases", 0)
+    if not n:
+        return "-"
+    return f"{round(x['needle_acc'] * n)}/{n} ({round(x.get('native_needle_acc', 0) * n)})"
+
+
+def tables(doc: dict, rules: set[str] | None = None) -> str:
+    """The run as three markdown tables: the frontier (points of `rules`, all when None), the gate's
+    default decision replayed per request, and how the per-request estimate ranks requests."""
+    head = ["direction", "tokens", "rule", "f", "run f", "needles (native)", "essays top-1", "essays ppl x",
+            "sharegpt top-1", "sharegpt ppl x", "speedup"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for x in doc.get("summary", []):
+        if rules is not None and x["selection"] not in rules:
+            continue
+        cells = [f"{x['sender']} -> {x['receiver']}", str(x["length"]), x["selection"], f"{x['f']:.2f}",
+                 _cell(x.get("recompute_fraction"), ".3f"), _needles(x), _cell(x.get("essays_top1")),
+                 _cell(x.get("essays_ppl128_ratio")), _cell(x.get("sharegpt_top1")),
+                 _cell(x.get("sharegpt_ppl128_ratio")), _cell(x.get("speedup"), ".1f")]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    gate_head = ["direction", "tokens", "requests", "gate chose", "needles (native)", "essays top-1", "essays ppl x",
+                 "sharegpt top-1", "sharegpt ppl x", "speedup"]  # fmt: skip
+    lines += ["", "| " + " | ".join(gate_head) + " |", "|" + "---|" * len(gate_head)]
+    for x in doc.get("gate", []):
+        chose = ", ".join(f"{p} x{k}" for p, k in x["points"].items())
+        cells = [f"{x['sender']} -> {x['receiver']}", str(x["length"]), str(x["requests"]), chose, _needles(x),
+                 _cell(x.get("essays_top1")), _cell(x.get("essays_ppl128_ratio")), _cell(x.get("sharegpt_top1")),
+                 _cell(x.get("sharegpt_ppl128_ratio")), _cell(x.get("speedup"), ".1f")]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    est_head = ["direction", "f", "signal", "requests", "Spearman top-1", "questions", "Spearman needle"]
+    lines += ["", "| " + " | ".join(est_head) + " |", "|" + "---|" * len(est_head)]
+    for x in doc.get("estimate_check", []):
+        cells = [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", x.get("signal", "(pooled)"), str(x["requests"]),
+                 _cell(x.get("spearman_top1")), str(x["questions"]), _cell(x.get("spearman_needle"))]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

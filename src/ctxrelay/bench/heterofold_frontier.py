@@ -27,10 +27,10 @@ import torch
 from tqdm import tqdm
 
 from ctxrelay import paths, tensorfile
-from ctxrelay.bench.frontier_report import estimate_check, gate_replay, plot, reusable, summarize
+from ctxrelay.bench.frontier_report import estimate_check, gate_replay, plot, reusable, summarize, tables
 from ctxrelay.bench.heterofold import cut_at_tokens
 from ctxrelay.bench.native import native_ttft
-from ctxrelay.bench.results import write_results
+from ctxrelay.bench.results import read_results, write_results
 from ctxrelay.bench.states import cached_sender_states
 from ctxrelay.data.datasets import conversation_haystack, essay_haystack
 from ctxrelay.data.needle import make_needle_case, score_answer
@@ -64,7 +64,7 @@ OPTIONS = {
     "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts
     "seed": 0,
     "resume": True,
-    "phase": "both",  # quality | timing | both: timing runs must have the machine to themselves
+    "phase": "both",  # quality | timing | both (timing runs must have the machine to themselves) | report
     "redo": "",  # comma list of rules whose kept rows of this phase are measured again (the rule changed)
 }
 CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "ref_tokenizer", "seed")
@@ -246,8 +246,12 @@ def bench(
     opts = {**OPTIONS, **(options or {})}
     resume, phase = bool(opts.pop("resume")), str(opts.pop("phase"))
     redo = {r for r in str(opts.pop("redo")).split(",") if r}
-    if phase not in ("quality", "timing", "both"):
-        raise UsageError(f"phase must be quality, timing or both, not {phase!r}")
+    if phase not in ("quality", "timing", "both", "report"):
+        raise UsageError(f"phase must be quality, timing, both or report, not {phase!r}")
+    if phase == "report":  # the tables and the plot of the results already measured, nothing run
+        doc = read_results(out)
+        print(tables(doc))
+        return plot(doc["rows"], paths.results_path(out))
     pts, dirs = points(opts), _directions(sender, receiver)
     command = command or f"ctxrelay bench heterofold-frontier --lengths {','.join(map(str, lengths))}"
     cases = build_cases(ref_tokenizer(opts["ref_tokenizer"]), sorted(lengths), opts)
@@ -259,6 +263,7 @@ def bench(
         arts[(s, r)] = Artifact.load(p, transport=TRANSPORT, version=ARTIFACT_VERSION)
     extra = {"options": {k: opts[k] for k in CASE_OPTIONS}, "lengths": sorted(lengths), "repeats": repeats}
     extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
+
     def stale(x: dict) -> bool:  # a row of a rule to measure again, in the phase this run measures
         timing = x.get("kind") == "timing"
         return x["selection"] in redo and (phase == "both" or timing == (phase == "timing"))
@@ -336,6 +341,7 @@ def bench(
     bar.close()
     path = save(complete=True)
     plot(rows, path)
+    print(tables(read_results(path)))
     return path
 
 

@@ -197,4 +197,3 @@ def bench(
             gc.collect()  # free one model's weights before the next loads (the 1.5B is ~7 GB)
     plot(rows, plot_path(path))
     return path
-
