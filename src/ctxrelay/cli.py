@@ -158,7 +158,7 @@ def bench(
 @app.command()
 @user_errors
 def demo(
-    tokens: int = typer.Option(1024, help="essay context length in sender tokens"),
+    tokens: int = typer.Option(2048, help="essay context length in sender tokens"),
     sender: str = typer.Option("qwen2.5-coder-1.5b"),
     receivers: str = typer.Option("qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m"),
     depth: float = typer.Option(0.5, help="where the fact sits in the essay (0..1)"),

@@ -47,6 +47,7 @@ def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path, capsys):
     assert gate["requests"] == 3 and gate["points"] == {"native": 3} and gate["needle_cases"] == 2
     assert path.with_suffix(".png").exists()
     # the report phase measures nothing: it prints the run's three tables and redraws the plot
+    assert capsys.readouterr().out.count("\n|---") == 3  # the measuring run printed its tables too
     path.with_suffix(".png").unlink()
     assert hf.bench(sender="S", receiver="R", options={"phase": "report"}) == path.with_suffix(".png")
     report = capsys.readouterr().out
@@ -97,6 +98,10 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
     assert g["points"] == {"f=0.10 mix": 1, "f=0.20 mix": 1, "native": 1}
     assert g["needle_acc"] == 1.0 and g["native_needle_acc"] == 1.0
     assert abs(g["speedup"] - 10.0 / ((1.0 + 3.0 + 13.0) / 3)) < 1e-9
+    # an empty answer is refused like a failed estimate (the gate's first-token end-of-text check)
+    next(x for x in rows if x.get("case_key") == "a" and x["f"] == 0.1)["answer"] = " "
+    (g,) = gate_replay(rows, {("s", "r"): {"recompute": table, "estimate": est}}, 0.85, 1.1)
+    assert g["points"] == {"f=0.20 mix": 2, "native": 1}
 
 
 def test_a_quality_only_run_still_plots(tmp_path):

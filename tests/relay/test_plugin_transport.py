@@ -101,9 +101,14 @@ class ToyPoints(ToyIdentity):
             {"label": "good", "options": {"point": "good"}, "quality": {"top1_agreement": 0.97}},
         ]
 
+    empty: tuple[str, ...] = ()  # points whose first token is end-of-sequence
+
     def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):
         out = super().relay_prefill(receiver, state, artifact, suffix_ids)
         out.info["estimate"] = self.estimates[options["point"]]
+        if options["point"] in self.empty:
+            out.logits = out.logits.clone()
+            out.logits[-1, min(runner.eos_ids(receiver))] = out.logits[-1].max() + 1.0
         return out
 
 
@@ -146,3 +151,15 @@ def test_a_request_no_point_estimates_good_enough_gets_native_with_the_reason(po
     # quality_threshold=0 is the explicit opt-in to gist-only speed: the cheapest point, no estimate check
     gist = pool.continue_from(state, a2.name, SUFFIX, max_new_tokens=2, quality_threshold=0.0)
     assert gist.transport == "toy-points" and gist.decision["point"] == "cheap"
+
+
+def test_a_relay_that_would_answer_nothing_escalates(points_pool):
+    pool, a, a2, t = points_pool
+    t.estimates, t.empty = {"cheap": 0.95, "good": 0.95}, ("cheap",)
+    state = pool.prefill(a.name, SAMPLE_TEXT, tenant="acme")
+    res = pool.continue_from(state, a2.name, SUFFIX, max_new_tokens=2)
+    assert res.transport == "toy-points" and res.decision["point"] == "good"
+    assert "cheap: the relayed first token ends the text (an empty answer)" in res.reason
+    t.empty = ("cheap", "good")
+    res = pool.continue_from(state, a2.name, SUFFIX, max_new_tokens=2)
+    assert res.transport == "native" and "good: the relayed first token ends the text" in res.reason

@@ -38,7 +38,7 @@ TABLE_WIDTH = 100  # readable in a 100-column terminal: short columns, the reaso
 class DemoConfig:
     sender: str = DEFAULT_SENDER
     receivers: tuple[str, ...] = DEFAULT_RECEIVERS
-    tokens: int = 1024  # sender tokens of essay context
+    tokens: int = 2048  # sender tokens of essay context (the relay pays off on long contexts)
     depth: float = 0.5
     seed: int = 0
     max_new_tokens: int = 32

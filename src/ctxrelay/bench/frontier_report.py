@@ -173,7 +173,9 @@ def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, t
             break
         spent += relay_s
         e = estimate(model, _info(row, "question_info" if row.get("question_info") else "continuation_info"))
-        if e is not None and e >= threshold:
+        # the gate refuses a relay whose first token ends the text: an empty answer
+        empty = row.get("dataset") == "needle" and row.get("answer") is not None and not row["answer"].strip()
+        if e is not None and e >= threshold and not empty:
             ratio = row["ppl"]["128"] / row["native_ppl"]["128"] if "128" in row["ppl"] else None
             return {"point": f"f={f:.2f} {rule}", "ttft_s": spent, "native_ttft_s": native_s,
                     "top1": row["top1_agreement"], "needle": row.get("needle_acc"), "ppl_ratio": ratio,
@@ -190,7 +192,8 @@ def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: flo
     Per direction and length: the operating points whose calibrated top-1 (the artifact's recompute
     table) meets `threshold` and whose measured TTFT (timing rows) beats native by `margin`, cheapest
     first. Per request: relay at the first; accept when the artifact's estimate for that request
-    (from the row's signals) meets the threshold, else pay that relay and try the next while time is
+    (from the row's signals) meets the threshold and the answer is not empty (the gate refuses a relay
+    whose first token ends the text), else pay that relay and try the next while time is
     left, else native prefill. Answers, top-1 and TTFT come from the rows of the points tried."""
     timing = {_point_key(x): x for x in rows if x.get("kind") == "timing"}
     quality = [x for x in rows if x.get("kind") != "timing"]

@@ -232,9 +232,6 @@ def bench(
     command: str = "",
 ) -> Path:
     from ctxrelay import zoo
-    from ctxrelay.artifact import Artifact
-    from ctxrelay.transports.heterofold import ARTIFACT_VERSION, TRANSPORT
-    from ctxrelay.transports.heterofold.calib_data import find_artifact
 
     if model:
         raise UsageError("bench heterofold-frontier takes --sender/--receiver (comma lists; empty = the six)")
@@ -248,19 +245,12 @@ def bench(
     redo = {r for r in str(opts.pop("redo")).split(",") if r}
     if phase not in ("quality", "timing", "both", "report"):
         raise UsageError(f"phase must be quality, timing, both or report, not {phase!r}")
-    if phase == "report":  # the tables and the plot of the results already measured, nothing run
-        doc = read_results(out)
-        print(tables(doc))
-        return plot(doc["rows"], paths.results_path(out))
+    if phase == "report":  # nothing measured: the rows already there, their tables (again) and plot
+        return report(out)
     pts, dirs = points(opts), _directions(sender, receiver)
     command = command or f"ctxrelay bench heterofold-frontier --lengths {','.join(map(str, lengths))}"
     cases = build_cases(ref_tokenizer(opts["ref_tokenizer"]), sorted(lengths), opts)
-    arts = {}
-    for s, r in dirs:
-        p = find_artifact(s, r)
-        if not p.exists():
-            raise UsageError(f"no heterofold artifact for {s} -> {r} at {p}: run `ctxrelay calibrate` first")
-        arts[(s, r)] = Artifact.load(p, transport=TRANSPORT, version=ARTIFACT_VERSION)
+    arts = {d: _artifact(*d) for d in dirs}
     extra = {"options": {k: opts[k] for k in CASE_OPTIONS}, "lengths": sorted(lengths), "repeats": repeats}
     extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
 
@@ -268,7 +258,10 @@ def bench(
         timing = x.get("kind") == "timing"
         return x["selection"] in redo and (phase == "both" or timing == (phase == "timing"))
 
-    rows = [x for x in (reusable(out, extra) if resume else []) if not stale(x)]
+    kept = reusable(out, extra) if resume else []
+    rows = [x for x in kept if not stale(x)]
+    # one file gathers the runs of several directions and phases: every command that wrote rows in it
+    commands = list(dict.fromkeys([*(read_results(out).get("commands", []) if kept else []), command]))
     done = {_row_key(x) for x in rows}
     states = {s: cached_sender_states(s, [c.context for c in cases]) for s in dict.fromkeys(s for s, _ in dirs)}
     firsts = {c.length: c for c in reversed(cases) if c.kind == "needle"}
@@ -279,11 +272,8 @@ def bench(
     path = None
 
     def save(complete: bool = False) -> Path:
-        dirs_done = sorted({(x["sender"], x["receiver"]) for x in rows})
-        meta = {**extra, "directions": [list(d) for d in dirs_done], "points": [list(p) for p in pts + exact]}
-        meta["estimate_check"] = estimate_check(rows, {d: a.quality.get("estimate") for d, a in arts.items()})
-        meta["gate"] = gate_replay(rows, {d: a.quality for d, a in arts.items()}, DEFAULT_QUALITY, MIN_SPEEDUP)
-        return write_results(out, rows, command, {**meta, "complete": complete, "summary": summarize(rows)})
+        meta = {**extra, "points": [list(p) for p in pts + exact], "complete": complete, "commands": commands}
+        return write_results(out, rows, command, {**meta, **derived(rows, arts)})
 
     for rname in dict.fromkeys(r for _, r in dirs):
         r = zoo.load(rname)
@@ -343,6 +333,39 @@ def bench(
     plot(rows, path)
     print(tables(read_results(path)))
     return path
+
+
+def derived(rows: list[dict], arts: dict) -> dict:
+    """What a results file says beside its rows: per-point summary, estimate check, gate replay."""
+    dirs = sorted({(x["sender"], x["receiver"]) for x in rows})
+    return {
+        "directions": [list(d) for d in dirs],
+        "estimate_check": estimate_check(rows, {d: a.quality.get("estimate") for d, a in arts.items()}),
+        "gate": gate_replay(rows, {d: a.quality for d, a in arts.items()}, DEFAULT_QUALITY, MIN_SPEEDUP),
+        "summary": summarize(rows),
+    }
+
+
+def report(out: str) -> Path:
+    """Recompute the derived tables of a results file with this code and the installed artifacts
+    (the rows stay as measured), print them and redraw the plot."""
+    doc = read_results(out)
+    arts = {d: _artifact(*d) for d in sorted({(x["sender"], x["receiver"]) for x in doc["rows"]})}
+    keep = {k: v for k, v in doc.items() if k not in ("rows", "command", "machine", "git_commit", "written")}
+    path = write_results(out, doc["rows"], doc["command"], {**keep, **derived(doc["rows"], arts)})
+    print(tables(read_results(path)))
+    return plot(doc["rows"], path)
+
+
+def _artifact(sender: str, receiver: str):
+    from ctxrelay.artifact import Artifact
+    from ctxrelay.transports.heterofold import ARTIFACT_VERSION, TRANSPORT
+    from ctxrelay.transports.heterofold.calib_data import find_artifact
+
+    p = find_artifact(sender, receiver)
+    if not p.exists():
+        raise UsageError(f"no heterofold artifact for {sender} -> {receiver} at {p}: run `ctxrelay calibrate` first")
+    return Artifact.load(p, transport=TRANSPORT, version=ARTIFACT_VERSION)
 
 
 def _row_key(row: dict) -> tuple:

@@ -344,7 +344,7 @@ def decode(
 ) -> Generation:
     """Decode from next-token `logits` [V] over `cache`; times are measured from `t0` (request start)."""
     gen = torch.Generator().manual_seed(seed)
-    eos = _eos_ids(m)
+    eos = eos_ids(m)
     cache.reserve(cache.length + max_new_tokens)  # one allocation for the whole decode
     tokens: list[int] = []
     ttft = 0.0
@@ -367,7 +367,8 @@ def decode(
     return Generation(tokens, m.tokenizer.decode(tokens, skip_special_tokens=True), ttft, total)
 
 
-def _eos_ids(m: LoadedModel) -> set[int]:
+def eos_ids(m: LoadedModel) -> set[int]:
+    """The token ids that end generation (generation config, model config and tokenizer)."""
     ids = set()
     for src in (m.hf.generation_config, m.hf.config, m.tokenizer):
         e = getattr(src, "eos_token_id", None)

@@ -205,6 +205,12 @@ class ModelPool:
             except (CtxrelayError, ValueError, RuntimeError) as e:  # never a wrong answer: fall back
                 log.warning("%s failed (%s); native prefill instead", c.label, e)
                 return None, f"{c.label} failed ({e}); native prefill instead"
+            if check and int(out.logits[-1].argmax()) in runner.eos_ids(r):
+                # an approximate cache can inflate end-of-text (the demo: smollm2's EOS 0.23 relayed vs
+                # 0.04 native): a relay that would answer nothing is never served
+                tried.append(f"{c.label}: the relayed first token ends the text (an empty answer)")
+                timings["rejected_relay_s"] = timings.get("rejected_relay_s", 0.0) + time.perf_counter() - ta
+                continue
             est = out.info.get("estimate")
             if est is None or not check or est >= threshold:
                 if est is not None:
@@ -214,7 +220,7 @@ class ModelPool:
                 return out, ""
             tried.append(f"{c.label}: estimated top-1 {est:.2f} < {threshold:.2f}")
             timings["rejected_relay_s"] = timings.get("rejected_relay_s", 0.0) + time.perf_counter() - ta
-        return None, "; ".join(tried) + "; native prefill instead (no faster relay passes the estimate)"
+        return None, "; ".join(tried) + "; native prefill instead (no faster relay passes the checks)"
 
     def native(self, receiver: str, text: str, suffix: str = "", **kw) -> RelayResult:
         """The reference: the receiver prefills context + suffix itself."""
