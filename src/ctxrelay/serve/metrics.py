@@ -1,0 +1,55 @@
+"""Prometheus metrics of one server (its own registry, so two apps in one process never clash).
+
+Gate reasons are free text (they name models and numbers); the `reason` label is the short class
+of the decision so the series stay few.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# (substring of the reason, class) in the order checked; relayed turns are "relayed"
+_REASONS = [
+    ("no conversation", "stateless"),
+    ("first turn", "first_turn"),
+    ("native prefill requested", "requested_native"),
+    ("no calibrated", "no_edge"),
+    ("no transport passes the gate", "gate_rejected"),
+    ("estimated top-1", "estimate_below_threshold"),
+    ("failed", "relay_failed"),
+    ("unavailable", "store_unavailable"),
+    ("no stored state", "no_state"),
+]
+
+
+def reason_class(transport: str, reason: str) -> str:
+    if transport != "native":
+        return "relayed"
+    return next((c for s, c in _REASONS if s in reason), "other")
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram(
+            "ctxrelay_ttft_seconds", "Time to first token (relay or prefill, decode step included)",
+            ["transport", "receiver"], buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.decisions = Counter(
+            "ctxrelay_gate_decisions_total", "What served each turn", ["transport", "reason"], registry=r
+        )
+        self.requests = Counter("ctxrelay_requests_total", "HTTP requests", ["path", "status"], registry=r)
+        self.queue_depth = Gauge("ctxrelay_queue_depth", "Requests admitted and not finished", registry=r)
+        self.rejected = Counter("ctxrelay_queue_rejected_total", "Requests refused with 429 (queue full)", registry=r)
+        self.sessions = Gauge("ctxrelay_conversations", "Conversations held", registry=r)
+
+    def observe_turn(self, receiver: str, transport: str, reason: str, ttft_s: float) -> None:
+        self.ttft.labels(transport, receiver).observe(ttft_s)
+        self.decisions.labels(transport, reason_class(transport, reason)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
