@@ -257,6 +257,9 @@ def serve(
         300.0, envvar="CTXRELAY_REQUEST_TIMEOUT", help="seconds a request may wait for compute before 503"
     ),
     max_sessions: int = typer.Option(1000, envvar="CTXRELAY_MAX_SESSIONS", help="conversations held (LRU)"),
+    max_state_mb: int = typer.Option(
+        4096, envvar="CTXRELAY_MAX_STATE_MB", help="MiB of conversation states held; past it LRU states go"
+    ),
     max_tokens: int = typer.Option(1024, envvar="CTXRELAY_MAX_TOKENS", help="largest max_tokens a request may ask"),
     graceful: float = typer.Option(30.0, envvar="CTXRELAY_GRACEFUL_S", help="seconds in-flight requests get at exit"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
@@ -274,7 +277,10 @@ def serve(
     set_threads(threads or None)
     pool = ModelPool([m for m in models.split(",") if m], store=store, quality_threshold=quality_threshold)
     limits = Limits(default_max_tokens=min(64, max_tokens), max_tokens=max_tokens)
-    settings = Settings(digests, max_queue, request_timeout, max_sessions, limits)
+    settings = Settings(
+        keys=digests, max_queue=max_queue, request_timeout_s=request_timeout, max_sessions=max_sessions,
+        max_state_bytes=max_state_mb << 20, limits=limits,
+    )  # fmt: skip
     run_server(pool, settings, host, port, graceful)
 
 

@@ -68,7 +68,7 @@ def test_a_conversation_moves_to_another_model_through_the_gate(server):
     assert raw.headers["X-Ctxrelay-Transport"] == "heterofold" and float(raw.headers["X-Ctxrelay-TTFT-S"]) > 0
     assert "translate_s" in raw.headers["X-Ctxrelay-Timings"] or r["timings"]
     # only the new turn was prefilled; the history came from llama's state
-    assert 0 < r["new_turn_tokens"] < second.usage.prompt_tokens
+    assert 0 < r["prefilled_tokens"] < second.usage.prompt_tokens
     # the third turn stays on qwen: its own K/V (exact), sent as only the new message, streamed
     chunks = list(c.chat.completions.create(
         model=qwen, messages=[{"role": "user", "content": "Shorter."}], max_tokens=4, stream=True,

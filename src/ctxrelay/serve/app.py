@@ -30,6 +30,7 @@ class Settings:
     max_queue: int = 32  # requests admitted (running or waiting); more get 429
     request_timeout_s: float = 300.0  # longest wait for the compute lock before 503
     max_sessions: int = 1000  # conversations held; the least recently used goes first
+    max_state_bytes: int = 4 << 30  # states they hold; past it the least recently used lose theirs
     limits: Limits = field(default_factory=Limits)
 
 
@@ -55,7 +56,7 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     metrics = Metrics()
     engine = Engine(pool, metrics, max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s)
-    sessions = SessionStore(settings.max_sessions)
+    sessions = SessionStore(settings.max_sessions, settings.max_state_bytes)
     auth = Auth(settings.keys)
     tenant_of = Depends(auth)
     app.state.engine, app.state.sessions = engine, sessions

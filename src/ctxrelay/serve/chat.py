@@ -61,6 +61,10 @@ def render(m: LoadedModel, messages: list[dict[str, str]]) -> str:
     tok = m.tokenizer
     if not getattr(tok, "chat_template", None):
         return transcript(messages) + GENERATION_PROMPT
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template's own checks (roles must alternate, ...) are the request's fault
+        msg = f"the chat template of {m.spec.name} refused these messages: {e}"
+        raise ApiError(400, msg, param="messages") from None
     bos = tok.bos_token or ""
     return text[len(bos) :] if bos and text.startswith(bos) else text

@@ -112,18 +112,24 @@ class Engine:
         with self.computing() as waited:
             if relay:
                 res = self.pool.continue_from(session.state, model, suffix, tenant=tenant, transport=transport, **gen)
+            elif history:  # a conversation whose state the memory budget dropped
+                res = self.pool.native(model, transcript(history), suffix, **gen)
+                why = "the conversation's state was dropped (state memory budget): native prefill of the transcript"
+                res.reason = res.decision["reason"] = why
             else:
                 res = self.pool.native(model, suffix, "", **gen)
                 res.reason = res.decision["reason"] = (
                     "first turn of the conversation: nothing to relay" if session else "no conversation: stateless"
                 )
             capture_s = self._leave_state(session, model, tenant, [*history, *new], res.text) if session else 0.0
-        n_new = len(suffix_ids(m, suffix)) if relay else res.context_tokens  # only these were prefilled
+        n_suffix = len(suffix_ids(m, suffix)) if history else 0  # a separate suffix only after a context
+        prompt_tokens = res.context_tokens + n_suffix
         report = self._report(res, model, waited, capture_s)
-        report["new_turn_tokens"] = n_new
+        # what this turn prefilled natively: only the new turn when the history was relayed
+        report["prefilled_tokens"] = n_suffix if res.transport != "native" else prompt_tokens
         if session is not None:
             report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
-        return Served(res, report, res.context_tokens + (n_new if relay else 0))
+        return Served(res, report, prompt_tokens)
 
     def _leave_state(self, session: Session, model: str, tenant: str, messages: list[dict], reply: str) -> float:
         """After the reply: the serving model's state of the whole transcript, reply included, which the

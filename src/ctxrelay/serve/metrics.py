@@ -46,6 +46,7 @@ class Metrics:
         self.queue_depth = Gauge("ctxrelay_queue_depth", "Requests admitted and not finished", registry=r)
         self.rejected = Counter("ctxrelay_queue_rejected_total", "Requests refused with 429 (queue full)", registry=r)
         self.sessions = Gauge("ctxrelay_conversations", "Conversations held", registry=r)
+        self.state_bytes = Gauge("ctxrelay_conversation_state_bytes", "Bytes of conversation states", registry=r)
 
     def observe_turn(self, receiver: str, transport: str, reason: str, ttft_s: float) -> None:
         self.ttft.labels(transport, receiver).observe(ttft_s)

@@ -177,18 +177,24 @@ def _hold(engine: Engine, session: Session | None, sessions: SessionStore) -> Ca
         release_slot = engine.admit()
     except ApiError:
         if session is not None:
-            session.busy.release()
+            _forget_unserved(session, sessions)
         raise
 
     def release() -> None:
         release_slot()
         if session is not None:
-            if session.turns == 0:  # its first turn failed: nobody holds the id
-                sessions.discard(session)
-            session.busy.release()
+            _forget_unserved(session, sessions)
         engine.metrics.sessions.set(len(sessions))
+        engine.metrics.state_bytes.set(sessions.trim())
 
     return release
+
+
+def _forget_unserved(session: Session, sessions: SessionStore) -> None:
+    """Free the conversation for its next turn; one whose first turn never ran is dropped (nobody has its id)."""
+    if session.turns == 0:
+        sessions.discard(session)
+    session.busy.release()
 
 
 def _closing(obj: dict, end_choice: dict, s: Served, stream_options: dict | None) -> list[dict]:

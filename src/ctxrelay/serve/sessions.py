@@ -2,8 +2,10 @@
 
 Ids are issued by the server (`conversation: "new"`) and unguessable; a request naming an id that
 was not issued to ITS tenant gets 404, the same answer as an unknown id, so ids leak nothing across
-tenants. The store is bounded: past `max_sessions` the least recently used conversation is dropped
-(its id then answers 404 like any unknown one). A conversation serves one turn at a time (409
+tenants. The store is bounded twice: past `max_sessions` the least recently used conversation is
+dropped (its id then answers 404 like any unknown one); past `max_state_bytes` of held states the
+least recently used conversations lose their state but keep their messages (their next turn is a
+native prefill of the transcript, and says so). A conversation serves one turn at a time (409
 while a turn is running): the next turn needs the state this one leaves.
 """
 
@@ -38,8 +40,8 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, max_sessions: int = 1000):
-        self.max_sessions = max_sessions
+    def __init__(self, max_sessions: int = 1000, max_state_bytes: int = 4 << 30):
+        self.max_sessions, self.max_state_bytes = max_sessions, max_state_bytes
         self._by_id: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -70,3 +72,15 @@ class SessionStore:
         """Drop a session its first turn could not serve (nobody holds its id yet)."""
         with self._lock:
             self._by_id.pop(s.id, None)
+
+    def trim(self) -> int:
+        """Drop the states of the least recently used conversations until the held states fit the
+        byte budget; returns the bytes still held."""
+        with self._lock:
+            held = [(s, s.state.nbytes()) for s in self._by_id.values() if s.state is not None]
+            total = sum(n for _, n in held)
+            for s, n in held:  # oldest first
+                if total <= self.max_state_bytes:
+                    break
+                s.state, total = None, total - n
+            return total

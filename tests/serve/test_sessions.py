@@ -1,0 +1,61 @@
+"""Conversations and prompts without a network: chat templates, the transcript, the state budget,
+the CLI's refusal to serve an open port."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from ctxrelay.relay import ModelPool
+from ctxrelay.relay.graph import Profile
+from ctxrelay.serve.app import Settings, create_app
+from ctxrelay.serve.chat import GENERATION_PROMPT, render, transcript
+from ctxrelay.serve.errors import ApiError
+
+TURN = [{"role": "user", "content": " Hi there "}]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' and loop.first %}"
+    "{{ raise_exception('must start with user') }}{% endif %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_without_a_template_the_turn_is_in_transcript_form(tiny_by_family):
+    m = tiny_by_family["llama"]
+    assert transcript(TURN) == "user: Hi there\n\n"
+    assert render(m, TURN) == "user: Hi there\n\n" + GENERATION_PROMPT
+
+
+def test_a_tokenizers_own_template_renders_the_turn_without_a_second_bos(tiny_by_family):
+    tok = copy.deepcopy(tiny_by_family["gemma3"].tokenizer)
+    tok.chat_template = TEMPLATE
+    m = SimpleNamespace(tokenizer=tok, spec=SimpleNamespace(name="tiny-templated"))
+    assert render(m, TURN) == "<|user|> Hi there <|end|><|assistant|>"  # BOS is the tokenizer's to add
+    with pytest.raises(ApiError, match="chat template of tiny-templated refused"):
+        render(m, [{"role": "assistant", "content": "x"}])
+
+
+@pytest.fixture(scope="module")
+def llama_pool(tiny_by_family):
+    return ModelPool([tiny_by_family["llama"]], artifact_dirs=[], profile=Profile())
+
+
+def test_a_conversation_whose_state_was_dropped_continues_natively(llama_pool):
+    c = TestClient(create_app(llama_pool, Settings(max_state_bytes=0)))
+    name = next(iter(llama_pool.models))
+    body = {"model": name, "messages": TURN, "max_tokens": 2, "conversation": "new"}
+    first = c.post("/v1/chat/completions", json=body).json()["ctxrelay"]
+    second = c.post("/v1/chat/completions", json={**body, "conversation": first["conversation"]}).json()
+    assert second["ctxrelay"]["transport"] == "native" and "state was dropped" in second["ctxrelay"]["reason"]
+    assert second["ctxrelay"]["turn"] == 2
+    assert "ctxrelay_conversation_state_bytes 0.0" in c.get("/metrics").text
+
+
+def test_the_cli_refuses_an_open_port_without_keys(monkeypatch):
+    from ctxrelay.cli import app
+
+    monkeypatch.delenv("CTXRELAY_API_KEYS", raising=False)
+    r = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0", "--models", "never-loaded"])
+    assert r.exit_code == 1 and "refusing to serve on 0.0.0.0" in r.output
