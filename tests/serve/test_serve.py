@@ -95,3 +95,20 @@ def test_no_keys_serves_only_loopback():
     with pytest.raises(UsageError, match="refusing to serve on 0.0.0.0"):
         check_exposure("0.0.0.0", {})
     assert OPEN_TENANT == "local"
+
+
+def test_a_stream_that_cannot_get_compute_ends_with_an_error_event(pool):
+    app = create_app(pool, Settings(request_timeout_s=0.2))
+    c = TestClient(app)
+    chat = {"model": next(iter(pool.models)), "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    engine = app.state.engine
+    engine._compute.acquire()  # another turn holds the models
+    try:
+        r = c.post("/v1/chat/completions", json={**chat, "conversation": "new"})
+    finally:
+        engine._compute.release()
+    events = [e for e in r.text.split("\n\n") if e]
+    assert '"code": 503' in events[-2] and "waiting for compute" in events[-2] and events[-1] == "data: [DONE]"
+    assert len(app.state.sessions) == 0  # the conversation whose first turn never ran is gone
+    r = c.post("/v1/chat/completions", json={**chat, "stream": False})
+    assert r.status_code == 200 and engine._depth == 0

@@ -64,10 +64,14 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
 
     @app.middleware("http")
     async def count(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")  # the path template: bounded label values
-        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
-        return response
+        status = 500  # what the client gets when the handler crashed
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            route = request.scope.get("route")  # the path template: bounded label values
+            metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
 
     @app.get("/healthz")
     def healthz() -> dict:

@@ -6,12 +6,16 @@ every refusal says what was wrong and what to do, never a traceback.
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ctxrelay.errors import BindingError, CtxrelayError
+
+log = logging.getLogger("ctxrelay.serve")
 
 # OpenAI's error types by status, so clients that branch on `type` see the usual names
 _TYPES = {
@@ -58,3 +62,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(CtxrelayError)
     async def usage(request: Request, e: CtxrelayError) -> JSONResponse:
         return JSONResponse(error_body(400, str(e)), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception) -> JSONResponse:
+        log.error("request %s %s failed", request.method, request.url.path, exc_info=e)
+        return JSONResponse(error_body(500, "internal error (see the server log)"), status_code=500)

@@ -12,8 +12,9 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 
 # (substring of the reason, class) in the order checked; relayed turns are "relayed"
 _REASONS = [
-    ("no conversation", "stateless"),
+    ("stateless", "stateless"),
     ("first turn", "first_turn"),
+    ("state was dropped", "state_dropped"),
     ("native prefill requested", "requested_native"),
     ("no calibrated", "no_edge"),
     ("no transport passes the gate", "gate_rejected"),

@@ -54,6 +54,7 @@ class ChatRequest(_Generate):
 
 class CompletionRequest(_Generate):
     prompt: str | list[str]
+    conversation: str | None = None  # refused: completions keep no conversation
 
 
 def report_headers(report: dict) -> dict[str, str]:
@@ -130,8 +131,10 @@ def router(engine: Engine, sessions: SessionStore, tenant_of: Callable, limits: 
         return _json(body, s.report)
 
     @api.post("/completions")
-    def completions(req: CompletionRequest, tenant: str = Tenant):
+    def completions(req: CompletionRequest, request: Request, tenant: str = Tenant):
         max_tokens = checked(req, req.max_tokens)
+        if req.conversation or request.headers.get("x-conversation-id"):
+            raise ApiError(400, "completions keep no conversation; use /v1/chat/completions", param="conversation")
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1 or not prompts[0]:
             raise ApiError(400, "prompt must be one non-empty string", param="prompt")

@@ -59,16 +59,17 @@ def stream(
 
     def target() -> None:
         try:
-            events.put(("done", work(lambda t: events.put(("token", t)))))
+            last = ("done", work(lambda t: events.put(("token", t))))
         except HTTPException as e:
-            events.put(("error", error_body(e.status_code, str(e.detail))))
+            last = ("error", error_body(e.status_code, str(e.detail)))
         except CtxrelayError as e:
-            events.put(("error", error_body(400, str(e))))
+            last = ("error", error_body(400, str(e)))
         except Exception:  # never a traceback to the client; the log has it
             log.exception("streamed turn failed")
-            events.put(("error", error_body(500, "internal error while generating (see the server log)")))
+            last = ("error", error_body(500, "internal error while generating (see the server log)"))
         finally:
-            release()
+            release()  # before the last event: a client that read it may send its next turn at once
+        events.put(last)
 
     # started now, not on the first read: the slot is released even if the client never reads
     threading.Thread(target=target, name="ctxrelay-turn", daemon=True).start()
