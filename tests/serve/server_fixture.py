@@ -47,7 +47,7 @@ def relay_pool(sender, receiver, artifact_dir) -> ModelPool:
     return ModelPool([sender, receiver], artifact_dirs=[artifact_dir], profile=profile, quality_threshold=0.0)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -56,7 +56,7 @@ def _free_port() -> int:
 def start(pool: ModelPool, settings: Settings | None = None):
     """Serve `pool` on a free loopback port; returns (url, stop)."""
     settings = settings or Settings(keys=load_keys(env=KEYS))
-    port = _free_port()
+    port = free_port()
     config = uvicorn.Config(create_app(pool, settings), host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

@@ -25,16 +25,22 @@ TEMPLATE = (
 def test_without_a_template_the_turn_is_in_transcript_form(tiny_by_family):
     m = tiny_by_family["llama"]
     assert transcript(TURN) == "user: Hi there\n\n"
-    assert render(m, TURN) == "user: Hi there\n\n" + GENERATION_PROMPT
+    assert render(m, TURN, after_context=False) == "user: Hi there\n\n" + GENERATION_PROMPT
 
 
 def test_a_tokenizers_own_template_renders_the_turn_without_a_second_bos(tiny_by_family):
-    tok = copy.deepcopy(tiny_by_family["gemma3"].tokenizer)
-    tok.chat_template = TEMPLATE
-    m = SimpleNamespace(tokenizer=tok, spec=SimpleNamespace(name="tiny-templated"))
-    assert render(m, TURN) == "<|user|> Hi there <|end|><|assistant|>"  # BOS is the tokenizer's to add
+    def templated(family):
+        tok = copy.deepcopy(tiny_by_family[family].tokenizer)
+        tok.chat_template = TEMPLATE
+        return SimpleNamespace(tokenizer=tok, spec=SimpleNamespace(name="tiny-templated"))
+
+    gemma, llama = templated("gemma3"), templated("llama")  # gemma's tokenizer adds <bos>, llama's does not
+    turn = "<|user|> Hi there <|end|><|assistant|>"
+    assert render(gemma, TURN, after_context=False) == turn
+    assert render(llama, TURN, after_context=False) == "<bos>" + turn
+    assert render(llama, TURN, after_context=True) == turn  # never a BOS mid-sequence
     with pytest.raises(ApiError, match="chat template of tiny-templated refused"):
-        render(m, [{"role": "assistant", "content": "x"}])
+        render(gemma, [{"role": "assistant", "content": "x"}], after_context=False)
 
 
 @pytest.fixture(scope="module")

@@ -53,11 +53,11 @@ def transcript(messages: list[dict[str, str]]) -> str:
     return "".join(f"{m['role']}: {m['content'].strip()}\n\n" for m in messages)
 
 
-def render(m: LoadedModel, messages: list[dict[str, str]]) -> str:
+def render(m: LoadedModel, messages: list[dict[str, str]], *, after_context: bool) -> str:
     """The new turn in the receiver's own chat template, ending with its generation prompt.
 
-    The tokenizer adds BOS itself where its family has one (models/tokens.py), so a BOS the
-    template writes is dropped here rather than read twice."""
+    A BOS the template writes is dropped where it would be read twice or mid-sequence: after a
+    context, or where the tokenizer adds BOS itself (models/tokens.py reads contexts that way)."""
     tok = m.tokenizer
     if not getattr(tok, "chat_template", None):
         return transcript(messages) + GENERATION_PROMPT
@@ -67,4 +67,10 @@ def render(m: LoadedModel, messages: list[dict[str, str]]) -> str:
         msg = f"the chat template of {m.spec.name} refused these messages: {e}"
         raise ApiError(400, msg, param="messages") from None
     bos = tok.bos_token or ""
-    return text[len(bos) :] if bos and text.startswith(bos) else text
+    if bos and text.startswith(bos) and (after_context or _adds_bos(tok)):
+        text = text[len(bos) :]
+    return text
+
+
+def _adds_bos(tok) -> bool:
+    return tok.bos_token_id is not None and tok("", add_special_tokens=True)["input_ids"][:1] == [tok.bos_token_id]

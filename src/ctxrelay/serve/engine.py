@@ -105,7 +105,7 @@ class Engine:
         if not new:
             raise ApiError(400, "no new message: the request only repeats the conversation so far", param="messages")
         m = self.pool.models[model]
-        suffix = render(m, new)
+        suffix = render(m, new, after_context=bool(history))
         gen = dict(max_new_tokens=max_tokens, temperature=temperature, on_token=on_token)
         relay = session is not None and session.state is not None
         relayed_from = session.model if session else None
