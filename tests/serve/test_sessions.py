@@ -5,6 +5,7 @@ import copy
 from types import SimpleNamespace
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
@@ -65,3 +66,26 @@ def test_the_cli_refuses_an_open_port_without_keys(monkeypatch):
     monkeypatch.delenv("CTXRELAY_API_KEYS", raising=False)
     r = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0", "--models", "never-loaded"])
     assert r.exit_code == 1 and "refusing to serve on 0.0.0.0" in r.output
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_extending_a_state_equals_capturing_the_whole_text(tiny_by_family, family):
+    from conftest import SAMPLE_TEXT
+    from ctxrelay.models.capture import capture_state, extend_state
+
+    m = tiny_by_family[family]
+    head, tail = SAMPLE_TEXT[:120], "\n\nassistant: a reply\n\n"  # sliding windows (gemma3: 8) span the seam
+    ext = extend_state(m, capture_state(m, head, "acme"), head + tail)
+    full = capture_state(m, head + tail, "acme")
+    assert ext is not None and ext.meta["extended_from"] > 0 and torch.equal(ext.tokens, full.tokens)
+    assert (ext.keys_pre_rope - full.keys_pre_rope).abs().max() < 1e-4
+    assert (ext.values - full.values).abs().max() < 1e-4
+    assert extend_state(m, capture_state(m, head, "acme"), "another text") is None
+
+
+def test_a_seam_that_retokenizes_is_captured_whole(tiny_by_family):
+    from ctxrelay.models.capture import capture_state, extend_state
+
+    m = tiny_by_family["llama"]
+    state = capture_state(m, "The quick bro", "acme")
+    assert extend_state(m, state, "The quick brown fox") is None  # "bro" + "wn" re-splits as "brown"

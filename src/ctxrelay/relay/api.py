@@ -24,7 +24,7 @@ from ctxrelay import paths, transports, zoo
 from ctxrelay.artifact import Artifact
 from ctxrelay.errors import BindingError, CtxrelayError
 from ctxrelay.models import runner
-from ctxrelay.models.capture import capture_state
+from ctxrelay.models.capture import capture_state, extend_state
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP, Decision, decide, reason_for
@@ -113,14 +113,23 @@ class ModelPool:
 
     # ---- sender side --------------------------------------------------------------------------
 
-    def prefill(self, sender: str, text: str, tenant: str, *, store: bool = True) -> ContextState:
-        """The sender reads `text` natively and leaves a ContextState with what its edges need."""
+    def prefill(
+        self, sender: str, text: str, tenant: str, *, store: bool = True, extend: ContextState | None = None
+    ) -> ContextState:
+        """The sender reads `text` natively and leaves a ContextState with what its edges need.
+
+        `extend`: a state of this sender whose text `text` continues; only the added tokens are read
+        where that gives the same state (capture.extend_state), else the whole text."""
         m = self.model(sender)
         by_transport: dict[str, list[dict]] = {}
         for e in self.graph.edges_from(m.spec.weights_hash):
             by_transport.setdefault(e.transport, []).append(e.params)
         plans = [transports.get(t).capture_plan(m, params) for t, params in by_transport.items()]
-        state = capture_state(m, text, tenant, plans)  # K/V always: the sender itself continues from them
+        if extend is not None:
+            extend.check(tenant=tenant)
+        state = extend_state(m, extend, text, plans) if extend is not None else None
+        if state is None:
+            state = capture_state(m, text, tenant, plans)  # K/V always: the sender itself continues from them
         if store:
             try:
                 self.store.put(state)

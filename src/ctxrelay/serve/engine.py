@@ -129,14 +129,18 @@ class Engine:
         report["prefilled_tokens"] = n_suffix if res.transport != "native" else prompt_tokens
         if session is not None:
             report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
+            report["capture_extended_from"] = session.state.meta.get("extended_from")  # None: a full prefill
         return Served(res, report, prompt_tokens)
 
     def _leave_state(self, session: Session, model: str, tenant: str, messages: list[dict], reply: str) -> float:
         """After the reply: the serving model's state of the whole transcript, reply included, which the
-        next turn relays from (a full sender prefill today, off the TTFT path; returns its time)."""
+        next turn relays from (off the TTFT path; returns its time). A model that also served the
+        previous turn extends its own state by the new turn and reply; another one prefills the
+        transcript (a relayed cache is approximate, so it never becomes a state)."""
         t = time.perf_counter()
         turn = [*messages, {"role": "assistant", "content": reply}]
-        session.state = self.pool.prefill(model, transcript(turn), tenant, store=False)
+        own = session.state if session.model == model else None  # the same model reads only what was added
+        session.state = self.pool.prefill(model, transcript(turn), tenant, store=False, extend=own)
         session.model, session.messages = model, turn
         session.turns += 1
         return time.perf_counter() - t
