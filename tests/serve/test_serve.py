@@ -35,6 +35,21 @@ def test_prefill_then_continue(client):
     assert r.status_code == 200 and r.json()["transport"] == "self" and len(r.json()["tokens"]) == 3
     r = c.post("/continue", json=dict(body, receiver=qwen), headers=ACME)
     assert r.json()["transport"] == "native" and "no calibrated artifact" in r.json()["reason"]
+    metrics = c.get("/metrics").text
+    assert 'ctxrelay_store_reads_total{result="hit"}' in metrics
+    assert "ctxrelay_store_written_bytes_total 0.0" not in metrics
+
+
+def test_one_turn_at_a_time_per_conversation(client):
+    c, pool = client
+    chat = {"model": next(iter(pool.models)), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    conv = c.post("/v1/chat/completions", json={**chat, "conversation": "new"}, headers=ACME).json()["ctxrelay"]
+    session = c.app.state.sessions.open(conv["conversation"], "acme")
+    with session.busy:  # a turn of it is running
+        r = c.post("/v1/chat/completions", json={**chat, "conversation": conv["conversation"]}, headers=ACME)
+    assert r.status_code == 409 and "serving another turn" in r.json()["error"]["message"]
+    r = c.post("/v1/chat/completions", json={**chat, "conversation": conv["conversation"]}, headers=ACME)
+    assert r.status_code == 200 and r.json()["ctxrelay"]["turn"] == 2
 
 
 def test_other_tenant_gets_no_state(client):

@@ -19,7 +19,7 @@ from ctxrelay.serve import errors
 from ctxrelay.serve.auth import Auth
 from ctxrelay.serve.engine import Engine
 from ctxrelay.serve.errors import ApiError
-from ctxrelay.serve.metrics import Metrics
+from ctxrelay.serve.metrics import CountedStore, Metrics
 from ctxrelay.serve.openai_api import Limits, router
 from ctxrelay.serve.sessions import SessionStore
 
@@ -55,6 +55,8 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="ctxrelay", version="0.1.0")
     errors.install(app)
     metrics = Metrics()
+    inner = pool.store.inner if isinstance(pool.store, CountedStore) else pool.store
+    pool.store = CountedStore(inner, metrics)  # the server owns its pool: count what it stores
     engine = Engine(pool, metrics, max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s)
     sessions = SessionStore(settings.max_sessions, settings.max_state_bytes)
     auth = Auth(settings.keys)

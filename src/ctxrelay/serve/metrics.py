@@ -6,7 +6,12 @@ of the decision so the series stay few.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ctxrelay.relay.store import StateKey, StateStore
+from ctxrelay.state import ContextState
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -47,6 +52,8 @@ class Metrics:
         self.queue_depth = Gauge("ctxrelay_queue_depth", "Requests admitted and not finished", registry=r)
         self.rejected = Counter("ctxrelay_queue_rejected_total", "Requests refused with 429 (queue full)", registry=r)
         self.sessions = Gauge("ctxrelay_conversations", "Conversations held", registry=r)
+        self.store_reads = Counter("ctxrelay_store_reads_total", "State store reads", ["result"], registry=r)
+        self.store_bytes = Counter("ctxrelay_store_written_bytes_total", "Bytes of states stored", registry=r)
         self.state_bytes = Gauge("ctxrelay_conversation_state_bytes", "Bytes of conversation states", registry=r)
 
     def observe_turn(self, receiver: str, transport: str, reason: str, ttft_s: float) -> None:
@@ -55,3 +62,33 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class CountedStore(StateStore):
+    """A pool's state store, its hits, misses and bytes written counted for /metrics."""
+
+    def __init__(self, inner: StateStore, metrics: Metrics):
+        self.inner, self.metrics, self.name = inner, metrics, inner.name
+
+    def put(self, state: ContextState) -> StateKey:
+        key = self.inner.put(state)
+        self.metrics.store_bytes.inc(state.nbytes())
+        return key
+
+    def _counted(self, state: ContextState | None) -> ContextState | None:
+        self.metrics.store_reads.labels("hit" if state is not None else "miss").inc()
+        return state
+
+    def get(self, key: StateKey, tenant: str) -> ContextState | None:
+        return self._counted(self.inner.get(key, tenant))
+
+    def delete(self, key: StateKey) -> None:
+        self.inner.delete(key)
+
+    def keys(self, tenant: str) -> list[StateKey]:
+        return self.inner.keys(tenant)
+
+    @contextmanager
+    def using(self, key: StateKey, tenant: str):
+        with self.inner.using(key, tenant) as state:
+            yield self._counted(state)
