@@ -21,6 +21,12 @@ from ctxrelay.serve.app import Settings, create_app
 from ctxrelay.serve.auth import load_keys
 
 KEYS = "k-acme:acme,k-globex:globex"
+# a chat template of the usual shape: writes BOS, refuses a conversation that starts with the assistant
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' and loop.first %}"
+    "{{ raise_exception('must start with user') }}{% endif %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @dataclass

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from server_fixture import free_port
-from test_sessions import TEMPLATE
+from server_fixture import TEMPLATE, free_port
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

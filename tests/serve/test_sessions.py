@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from server_fixture import TEMPLATE
 from typer.testing import CliRunner
 
 from ctxrelay.relay import ModelPool
@@ -16,11 +17,6 @@ from ctxrelay.serve.chat import GENERATION_PROMPT, render, transcript
 from ctxrelay.serve.errors import ApiError
 
 TURN = [{"role": "user", "content": " Hi there "}]
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' and loop.first %}"
-    "{{ raise_exception('must start with user') }}{% endif %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def test_without_a_template_the_turn_is_in_transcript_form(tiny_by_family):
