@@ -10,6 +10,7 @@ from ctxrelay.relay import ModelPool
 from ctxrelay.relay.graph import Profile
 from ctxrelay.serve.app import Settings, create_app
 from ctxrelay.serve.auth import OPEN_TENANT, check_exposure, load_keys
+from ctxrelay.serve.chat import transcript
 
 ACME, GLOBEX = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
 
@@ -43,8 +44,12 @@ def test_prefill_then_continue(client):
 def test_one_turn_at_a_time_per_conversation(client):
     c, pool = client
     chat = {"model": next(iter(pool.models)), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    conv = c.post("/v1/chat/completions", json={**chat, "conversation": "new"}, headers=ACME).json()["ctxrelay"]
+    first = c.post("/v1/chat/completions", json={**chat, "conversation": "new"}, headers=ACME).json()
+    conv = first["ctxrelay"]
     session = c.app.state.sessions.open(conv["conversation"], "acme")
+    reply = {"role": "assistant", "content": first["choices"][0]["message"]["content"]}
+    # what the next turn relays: the serving model's state of the messages' content, its reply included
+    assert session.state.text == transcript([*chat["messages"], reply]) and session.model == chat["model"]
     with session.busy:  # a turn of it is running
         r = c.post("/v1/chat/completions", json={**chat, "conversation": conv["conversation"]}, headers=ACME)
     assert r.status_code == 409 and "serving another turn" in r.json()["error"]["message"]
