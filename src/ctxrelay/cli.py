@@ -240,18 +240,48 @@ def graph(
 @app.command()
 @user_errors
 def serve(
-    models: str = typer.Option(DEFAULT_MODELS),
-    store: str = typer.Option("memory", help="memory[:SIZE] | disk:PATH | redis://HOST:PORT/DB, joined by '+'"),
-    host: str = typer.Option("127.0.0.1"),
-    port: int = typer.Option(8321),
-    quality_threshold: float = typer.Option(0.85, help="minimum top-1 agreement with native (0: gist-only speed)"),
+    models: str = typer.Option(DEFAULT_MODELS, envvar="CTXRELAY_MODELS"),
+    store: str = typer.Option(
+        "memory", envvar="CTXRELAY_STORE", help="memory[:SIZE] | disk:PATH | redis://HOST:PORT/DB, joined by '+'"
+    ),
+    host: str = typer.Option("127.0.0.1", envvar="CTXRELAY_HOST", help="any non-loopback host needs API keys"),
+    port: int = typer.Option(8321, envvar="CTXRELAY_PORT"),
+    keys: str = typer.Option(
+        "", envvar="CTXRELAY_KEYS_FILE", help="keys file: `KEY TENANT` a line (also $CTXRELAY_API_KEYS=key:tenant,...)"
+    ),
+    quality_threshold: float = typer.Option(
+        0.85, envvar="CTXRELAY_QUALITY", help="minimum top-1 agreement with native (0: gist-only speed)"
+    ),
+    max_queue: int = typer.Option(32, envvar="CTXRELAY_MAX_QUEUE", help="requests running or waiting; more get 429"),
+    request_timeout: float = typer.Option(
+        300.0, envvar="CTXRELAY_REQUEST_TIMEOUT", help="seconds a request may wait for compute before 503"
+    ),
+    max_sessions: int = typer.Option(1000, envvar="CTXRELAY_MAX_SESSIONS", help="conversations held (LRU)"),
+    max_state_mb: int = typer.Option(
+        4096, envvar="CTXRELAY_MAX_STATE_MB", help="MiB of conversation states held; past it LRU states go"
+    ),
+    max_tokens: int = typer.Option(1024, envvar="CTXRELAY_MAX_TOKENS", help="largest max_tokens a request may ask"),
+    graceful: float = typer.Option(30.0, envvar="CTXRELAY_GRACEFUL_S", help="seconds in-flight requests get at exit"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
 ) -> None:
-    """Serve the relay over HTTP (POST /prefill, POST /continue, GET /graph, /models, /healthz)."""
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) with conversations
+    that move between models, plus /prefill, /continue, /graph, /models, /healthz and /metrics."""
+    from ctxrelay.relay.api import ModelPool
+    from ctxrelay.serve.app import Settings
     from ctxrelay.serve.app import serve as run_server
+    from ctxrelay.serve.auth import check_exposure, load_keys
+    from ctxrelay.serve.openai_api import Limits
 
+    digests = load_keys(keys or None)
+    check_exposure(host, digests)  # before loading models: a refused start costs nothing
     set_threads(threads or None)
-    run_server([m for m in models.split(",") if m], store, host, port, quality_threshold)
+    pool = ModelPool([m for m in models.split(",") if m], store=store, quality_threshold=quality_threshold)
+    limits = Limits(default_max_tokens=min(64, max_tokens), max_tokens=max_tokens)
+    settings = Settings(
+        keys=digests, max_queue=max_queue, request_timeout_s=request_timeout, max_sessions=max_sessions,
+        max_state_bytes=max_state_mb << 20, limits=limits,
+    )  # fmt: skip
+    run_server(pool, settings, host, port, graceful)
 
 
 def _print_graph(pool, tokens: int) -> None:

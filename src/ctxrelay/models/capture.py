@@ -89,3 +89,35 @@ def capture_state(
             p.finish(state)
     state.meta["prefill_s"] = time.perf_counter() - t0
     return state
+
+
+def extend_state(
+    m: LoadedModel, state: ContextState, text: str, plans: Sequence[CapturePlan] = ()
+) -> ContextState | None:
+    """The state of `text`, which continues `state.text`, reading only the added tokens over the
+    state's own K/V (a conversation's next turn on the same model). None where that would not equal
+    `capture_state(m, text, ...)`: another model, no K/V, a plan that needs the whole prefill's
+    attention, or a tokenization that re-splits the tokens at the seam."""
+    if any(p.on_probs is not None or p.finish is not None for p in plans) or not state.has("kv"):
+        return None
+    if state.binding.weights_hash != m.spec.weights_hash or not text.startswith(state.text):
+        return None
+    ids, offsets = tokenize_context(m, text)
+    n = state.num_tokens
+    if len(ids) <= n or not torch.equal(ids[:n], state.tokens) or not torch.equal(offsets[:n], state.offsets):
+        return None
+    t0 = time.perf_counter()
+    cache = runner.cache_from_pre_rope(m, state.keys_pre_rope, state.values)
+    cap = runner.Capture(keys_pre_rope=True, values=True)
+    runner.forward(m, ids[n:], cache, capture=cap, logits="none")
+    new = ContextState(
+        text=text,
+        tokens=ids,
+        offsets=offsets,
+        binding=state.binding,
+        keys_pre_rope=torch.cat([state.keys_pre_rope, torch.stack(cap.keys)], dim=1),
+        values=torch.cat([state.values, torch.stack(cap.vals)], dim=1),
+        meta={**state.meta, "extended_from": n},
+    )
+    new.meta["prefill_s"] = time.perf_counter() - t0
+    return new

@@ -12,7 +12,7 @@ family's k-norm and RoPE, exactly what native attention consumes.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -341,8 +341,11 @@ def decode(
     temperature: float = 0.0,
     seed: int = 0,
     stop_at_eos: bool = True,
+    on_token: Callable[[int], None] | None = None,
 ) -> Generation:
-    """Decode from next-token `logits` [V] over `cache`; times are measured from `t0` (request start)."""
+    """Decode from next-token `logits` [V] over `cache`; times are measured from `t0` (request start).
+
+    `on_token` sees each kept token as soon as it is chosen (a server streams them)."""
     gen = torch.Generator().manual_seed(seed)
     eos = eos_ids(m)
     cache.reserve(cache.length + max_new_tokens)  # one allocation for the whole decode
@@ -360,6 +363,8 @@ def decode(
         if stop_at_eos and nxt in eos:
             break
         tokens.append(nxt)
+        if on_token is not None:
+            on_token(nxt)
         if step + 1 < max_new_tokens:
             out = forward(m, torch.tensor([nxt]), cache)
             cache, step_logits = out.cache, out.logits[-1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from ctxrelay import paths, transports, zoo
 from ctxrelay.artifact import Artifact
 from ctxrelay.errors import BindingError, CtxrelayError
 from ctxrelay.models import runner
-from ctxrelay.models.capture import capture_state
+from ctxrelay.models.capture import capture_state, extend_state
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP, Decision, decide, reason_for
@@ -112,14 +113,23 @@ class ModelPool:
 
     # ---- sender side --------------------------------------------------------------------------
 
-    def prefill(self, sender: str, text: str, tenant: str, *, store: bool = True) -> ContextState:
-        """The sender reads `text` natively and leaves a ContextState with what its edges need."""
+    def prefill(
+        self, sender: str, text: str, tenant: str, *, store: bool = True, extend: ContextState | None = None
+    ) -> ContextState:
+        """The sender reads `text` natively and leaves a ContextState with what its edges need.
+
+        `extend`: a state of this sender whose text `text` continues; only the added tokens are read
+        where that gives the same state (capture.extend_state), else the whole text."""
         m = self.model(sender)
         by_transport: dict[str, list[dict]] = {}
         for e in self.graph.edges_from(m.spec.weights_hash):
             by_transport.setdefault(e.transport, []).append(e.params)
         plans = [transports.get(t).capture_plan(m, params) for t, params in by_transport.items()]
-        state = capture_state(m, text, tenant, plans)  # K/V always: the sender itself continues from them
+        if extend is not None:
+            extend.check(tenant=tenant)
+        state = extend_state(m, extend, text, plans) if extend is not None else None
+        if state is None:
+            state = capture_state(m, text, tenant, plans)  # K/V always: the sender itself continues from them
         if store:
             try:
                 self.store.put(state)
@@ -141,8 +151,11 @@ class ModelPool:
         max_new_tokens: int = 32,
         temperature: float = 0.0,
         quality_threshold: float | None = None,
+        on_token: Callable[[int], None] | None = None,
     ) -> RelayResult:
-        """Continue `context` (a state, or the text whose state a sender left in the store) on `receiver`."""
+        """Continue `context` (a state, or the text whose state a sender left in the store) on `receiver`.
+
+        `on_token` sees each generated token as soon as it is chosen (for streaming)."""
         r = self.model(receiver)
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
@@ -151,7 +164,7 @@ class ModelPool:
         suffix = suffix_ids(r, suffix)
         if state is None:
             timings["gate_s"] = time.perf_counter() - tg
-            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature)
+            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, on_token=on_token)
         n_ctx = len(context_ids(r, text))
         threshold = self.quality_threshold if quality_threshold is None else quality_threshold
         d = decide(
@@ -166,12 +179,12 @@ class ModelPool:
         )
         timings["gate_s"] = time.perf_counter() - tg
         if d.transport == "native":
-            return self._native(r, text, suffix, t0, timings, d.reason, max_new_tokens, temperature, d)
+            return self._native(r, text, suffix, t0, timings, d.reason, max_new_tokens, temperature, d, on_token)
         out, why_not = self._relay_checked(d, state, r, suffix, t0, timings, threshold, transport == "auto")
         if out is None:
-            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, d)
+            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, d, on_token)
         tf = time.perf_counter()
-        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature)
+        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature, on_token=on_token)
         timings.update(out.timings)
         timings["first_token_s"] = timings.get("first_token_s", 0.0) + (gen.ttft_s - (tf - t0))
         return RelayResult(
@@ -257,14 +270,24 @@ class ModelPool:
         return transports.get(d.transport).relay_prefill(r, state, art, suffix, **d.options)
 
     def _native(
-        self, r, text, suffix, t0, timings, reason, max_new_tokens=32, temperature=0.0, d: Decision | None = None
+        self,
+        r,
+        text,
+        suffix,
+        t0,
+        timings,
+        reason,
+        max_new_tokens=32,
+        temperature=0.0,
+        d: Decision | None = None,
+        on_token: Callable[[int], None] | None = None,
     ) -> RelayResult:
         tp = time.perf_counter()
         ids = context_ids(r, text)
         out = runner.forward(r, torch.cat([ids, suffix]))
         timings["prefill_s"] = time.perf_counter() - tp
         tf = time.perf_counter()
-        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature)
+        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature, on_token=on_token)
         timings["first_token_s"] = gen.ttft_s - (tf - t0)
         decision = d.as_dict() if d else {"transport": "native", "reason": reason}
         decision["reason"] = reason

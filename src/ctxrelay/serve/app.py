@@ -1,21 +1,37 @@
-"""HTTP server over a ModelPool: prefill once, continue on any model, inspect the graph.
+"""The HTTP server over a ModelPool: the OpenAI API (openai_api.py) and ctxrelay's own endpoints.
 
-The tenant comes from the `X-Tenant` header (put your gateway's authenticated identity there), never
-from the body, so one tenant cannot name another's state. Model compute is serialised by a lock:
-the pool's models share the machine's cores, and interleaving two prefills only makes both slower.
+Every endpoint but /healthz and /metrics needs an API key (auth.py); the tenant comes from the key,
+never from the request, so one tenant cannot name another's state or conversation. /prefill and
+/continue are the relay's own JSON API (prefill a text once, continue it on any model).
 """
 
 from __future__ import annotations
 
-import threading
+from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Header, HTTPException
+from fastapi import Depends, FastAPI, Request, Response
 from pydantic import BaseModel, Field
 
-from ctxrelay.errors import BindingError
 from ctxrelay.relay.api import ModelPool
 from ctxrelay.relay.gate import requestable
 from ctxrelay.relay.store import StateKey
+from ctxrelay.serve import errors
+from ctxrelay.serve.auth import Auth
+from ctxrelay.serve.engine import Engine
+from ctxrelay.serve.errors import ApiError
+from ctxrelay.serve.metrics import CountedStore, Metrics
+from ctxrelay.serve.openai_api import Limits, router
+from ctxrelay.serve.sessions import SessionStore
+
+
+@dataclass
+class Settings:
+    keys: dict[str, str] = field(default_factory=dict)  # sha256(key) -> tenant (auth.load_keys); empty: open
+    max_queue: int = 32  # requests admitted (running or waiting); more get 429
+    request_timeout_s: float = 300.0  # longest wait for the compute lock before 503
+    max_sessions: int = 1000  # conversations held; the least recently used goes first
+    max_state_bytes: int = 4 << 30  # states they hold; past it the least recently used lose theirs
+    limits: Limits = field(default_factory=Limits)
 
 
 class PrefillRequest(BaseModel):
@@ -34,21 +50,41 @@ class ContinueRequest(BaseModel):
     quality_threshold: float | None = Field(None, ge=0.0, le=1.0)
 
 
-def create_app(pool: ModelPool) -> FastAPI:
+def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
     app = FastAPI(title="ctxrelay", version="0.1.0")
-    compute = threading.Lock()
+    errors.install(app)
+    metrics = Metrics()
+    inner = pool.store.inner if isinstance(pool.store, CountedStore) else pool.store
+    pool.store = CountedStore(inner, metrics)  # the server owns its pool: count what it stores
+    engine = Engine(pool, metrics, max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s)
+    sessions = SessionStore(settings.max_sessions, settings.max_state_bytes)
+    auth = Auth(settings.keys)
+    tenant_of = Depends(auth)
+    app.state.engine, app.state.sessions = engine, sessions
+    app.include_router(router(engine, sessions, auth, settings.limits))
 
-    def model_or_404(name: str):
-        if name not in pool.models:
-            raise HTTPException(404, f"model {name!r} is not served here; served: {', '.join(pool.models)}")
-        return pool.models[name]
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        status = 500  # what the client gets when the handler crashed
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            route = request.scope.get("route")  # the path template: bounded label values
+            metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
 
     @app.get("/healthz")
     def healthz() -> dict:
         return {"ok": True, "models": list(pool.models)}
 
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
     @app.get("/models")
-    def models() -> list[dict]:
+    def models(tenant: str = tenant_of) -> list[dict]:
         return [
             {"name": m.spec.name, "family": m.spec.family.name, "layers": m.spec.num_layers,
              "weights_hash": m.spec.weights_hash, "tokenizer_hash": m.spec.tokenizer_hash}
@@ -56,14 +92,18 @@ def create_app(pool: ModelPool) -> FastAPI:
         ]  # fmt: skip
 
     @app.get("/graph")
-    def graph(tokens: int = 2048) -> dict:
+    def graph(tokens: int = 2048, tenant: str = tenant_of) -> dict:
         return {"edges": pool.graph.rows(tokens), "skipped": pool.graph.skipped}
 
     @app.post("/prefill")
-    def prefill(req: PrefillRequest, x_tenant: str = Header(...)) -> dict:
-        model_or_404(req.sender)
-        with compute:
-            state = pool.prefill(req.sender, req.text, tenant=x_tenant)
+    def prefill(req: PrefillRequest, tenant: str = tenant_of) -> dict:
+        engine.model_or_404(req.sender)
+        release = engine.admit()
+        try:
+            with engine.computing():
+                state = pool.prefill(req.sender, req.text, tenant=tenant)
+        finally:
+            release()
         key = StateKey.of(state)
         return {
             "tenant": key.tenant, "content_hash": key.content_hash, "model_hash": key.model_hash,
@@ -72,20 +112,21 @@ def create_app(pool: ModelPool) -> FastAPI:
         }  # fmt: skip
 
     @app.post("/continue")
-    def continue_(req: ContinueRequest, x_tenant: str = Header(...)) -> dict:
-        model_or_404(req.sender)
-        model_or_404(req.receiver)
+    def continue_(req: ContinueRequest, tenant: str = tenant_of) -> dict:
+        engine.model_or_404(req.sender)
+        engine.model_or_404(req.receiver)
         if req.transport not in requestable():
-            raise HTTPException(400, f"transport must be one of {', '.join(requestable())}")
+            raise ApiError(400, f"transport must be one of {', '.join(requestable())}", param="transport")
+        release = engine.admit()
         try:
-            with compute:
+            with engine.computing():
                 res = pool.continue_from(
-                    req.text, req.receiver, req.suffix, tenant=x_tenant, sender=req.sender,
+                    req.text, req.receiver, req.suffix, tenant=tenant, sender=req.sender,
                     transport=req.transport, max_new_tokens=req.max_new_tokens, temperature=req.temperature,
                     quality_threshold=req.quality_threshold,
                 )  # fmt: skip
-        except BindingError as e:
-            raise HTTPException(403, str(e)) from None
+        finally:
+            release()
         return {
             "text": res.text, "tokens": res.tokens, "transport": res.transport, "reason": res.reason,
             "ttft_s": res.ttft_s, "total_s": res.total_s, "context_tokens": res.context_tokens,
@@ -95,8 +136,9 @@ def create_app(pool: ModelPool) -> FastAPI:
     return app
 
 
-def serve(models: list[str], store: str, host: str, port: int, quality_threshold: float) -> None:
+def serve(pool: ModelPool, settings: Settings, host: str, port: int, graceful_s: float = 30.0) -> None:
+    """Run until SIGINT/SIGTERM; uvicorn then stops accepting and lets in-flight requests finish
+    (up to `graceful_s`)."""
     import uvicorn
 
-    pool = ModelPool(models, store=store, quality_threshold=quality_threshold)
-    uvicorn.run(create_app(pool), host=host, port=port)
+    uvicorn.run(create_app(pool, settings), host=host, port=port, timeout_graceful_shutdown=graceful_s)

@@ -1,0 +1,164 @@
+"""One turn of compute: admission (the bounded queue), the relay-or-prefill, the state it leaves.
+
+Model compute is serialised by one lock: the pool's models share the machine's cores, and
+interleaving two prefills only makes both slower. Requests past the queue bound get 429 with a
+Retry-After from the recent service time; a request that waits longer than its timeout for the
+compute lock gets 503 (nothing ran). TTFT in a report is measured from the moment the turn got the
+compute lock; the wait before it is `queue_wait_s`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ctxrelay.models.tokens import suffix_ids
+from ctxrelay.relay.api import ModelPool, RelayResult
+from ctxrelay.serve.chat import render, transcript
+from ctxrelay.serve.errors import ApiError
+from ctxrelay.serve.metrics import Metrics
+from ctxrelay.serve.sessions import Session
+
+OnToken = Callable[[int], None] | None
+
+
+@dataclass
+class Served:
+    result: RelayResult
+    report: dict  # the response's `ctxrelay` field
+    prompt_tokens: int
+
+    @property
+    def text(self) -> str:
+        return self.result.text
+
+    def finish_reason(self, max_tokens: int) -> str:
+        return "length" if len(self.result.tokens) >= max_tokens else "stop"
+
+
+class Engine:
+    def __init__(self, pool: ModelPool, metrics: Metrics, *, max_queue: int = 32, request_timeout_s: float = 300.0):
+        self.pool, self.metrics = pool, metrics
+        self.max_queue, self.request_timeout_s = max_queue, request_timeout_s
+        self._compute = threading.Lock()
+        self._admit = threading.Lock()
+        self._depth = 0
+        self._service_s = 1.0  # running mean of a turn's compute time, for Retry-After
+
+    def model_or_404(self, name: str) -> str:
+        if name not in self.pool.models:
+            served = ", ".join(self.pool.models)
+            raise ApiError(404, f"model {name!r} is not served here; served: {served}", param="model")
+        return name
+
+    # ---- admission ----------------------------------------------------------------------------
+
+    def admit(self) -> Callable[[], None]:
+        """Take a queue slot (429 when full); returns the release, to call once when the request ends."""
+        with self._admit:
+            if self._depth >= self.max_queue:
+                self.metrics.rejected.inc()
+                retry = max(1, math.ceil(self._service_s * self._depth))
+                raise ApiError(
+                    429, f"server busy: {self._depth} requests queued (limit {self.max_queue}); retry in {retry} s",
+                    headers={"Retry-After": str(retry)},
+                )  # fmt: skip
+            self._depth += 1
+            self.metrics.queue_depth.set(self._depth)
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                with self._admit:
+                    self._depth -= 1
+                    self.metrics.queue_depth.set(self._depth)
+
+        return release
+
+    @contextmanager
+    def computing(self):
+        t0 = time.perf_counter()
+        if not self._compute.acquire(timeout=self.request_timeout_s):
+            raise ApiError(503, f"timed out after {self.request_timeout_s:.0f} s waiting for compute; retry later")
+        t1 = time.perf_counter()
+        try:
+            yield t1 - t0
+        finally:
+            self._service_s = 0.8 * self._service_s + 0.2 * (time.perf_counter() - t1)
+            self._compute.release()
+
+    # ---- turns --------------------------------------------------------------------------------
+
+    def chat(
+        self, tenant: str, model: str, messages: list[dict[str, str]], session: Session | None, *,
+        max_tokens: int, temperature: float, transport: str = "auto", on_token: OnToken = None,
+    ) -> Served:  # fmt: skip
+        """One chat turn. With a session, the conversation so far is relayed from the state the
+        previous turn's model left and only the new turn (in `model`'s template) is prefilled."""
+        history = session.messages if session else []
+        new = session.new_messages(messages) if session else messages
+        if not new:
+            raise ApiError(400, "no new message: the request only repeats the conversation so far", param="messages")
+        m = self.pool.models[model]
+        suffix = render(m, new, after_context=bool(history))
+        gen = dict(max_new_tokens=max_tokens, temperature=temperature, on_token=on_token)
+        relay = session is not None and session.state is not None
+        relayed_from = session.model if session else None
+        with self.computing() as waited:
+            if relay:
+                res = self.pool.continue_from(session.state, model, suffix, tenant=tenant, transport=transport, **gen)
+            elif history:  # a conversation whose state the memory budget dropped
+                res = self.pool.native(model, transcript(history), suffix, **gen)
+                why = "the conversation's state was dropped (state memory budget): native prefill of the transcript"
+                res.reason = res.decision["reason"] = why
+            else:
+                res = self.pool.native(model, suffix, "", **gen)
+                res.reason = res.decision["reason"] = (
+                    "first turn of the conversation: nothing to relay" if session else "no conversation: stateless"
+                )
+            capture_s = self._leave_state(session, model, tenant, [*history, *new], res.text) if session else 0.0
+        n_suffix = len(suffix_ids(m, suffix)) if history else 0  # a separate suffix only after a context
+        prompt_tokens = res.context_tokens + n_suffix
+        report = self._report(res, model, waited, capture_s)
+        # what this turn prefilled natively: only the new turn when the history was relayed
+        report["prefilled_tokens"] = n_suffix if res.transport != "native" else prompt_tokens
+        if session is not None:
+            report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
+            report["capture_extended_from"] = session.state.meta.get("extended_from")  # None: a full prefill
+        return Served(res, report, prompt_tokens)
+
+    def _leave_state(self, session: Session, model: str, tenant: str, messages: list[dict], reply: str) -> float:
+        """After the reply: the serving model's state of the whole transcript, reply included, which the
+        next turn relays from (off the TTFT path; returns its time). A model that also served the
+        previous turn extends its own state by the new turn and reply; another one prefills the
+        transcript (a relayed cache is approximate, so it never becomes a state)."""
+        t = time.perf_counter()
+        turn = [*messages, {"role": "assistant", "content": reply}]
+        own = session.state if session.model == model else None  # the same model reads only what was added
+        session.state = self.pool.prefill(model, transcript(turn), tenant, store=False, extend=own)
+        session.model, session.messages = model, turn
+        session.turns += 1
+        return time.perf_counter() - t
+
+    def complete(
+        self, model: str, prompt: str, *, max_tokens: int, temperature: float, on_token: OnToken = None
+    ) -> Served:
+        """A plain completion: the prompt is prefilled natively (completions keep no conversation)."""
+        with self.computing() as waited:
+            res = self.pool.native(model, prompt, "", max_new_tokens=max_tokens, temperature=temperature,
+                                   on_token=on_token)  # fmt: skip
+        res.reason = res.decision["reason"] = "completion: stateless prompt"
+        return Served(res, self._report(res, model, waited, 0.0), res.context_tokens)
+
+    def _report(self, res: RelayResult, model: str, waited: float, capture_s: float) -> dict:
+        self.metrics.observe_turn(model, res.transport, res.reason, res.ttft_s)
+        return {
+            "model": model, "transport": res.transport, "reason": res.reason, "ttft_s": res.ttft_s,
+            "total_s": res.total_s, "timings": res.timings, "context_tokens": res.context_tokens,
+            "queue_wait_s": waited, "capture_s": capture_s, "decision": res.decision,
+        }  # fmt: skip

@@ -1,0 +1,227 @@
+"""The OpenAI API: GET /v1/models, POST /v1/chat/completions and /v1/completions, streamed or not.
+
+What ctxrelay adds rides in fields the openai client passes through (`extra_body=`):
+`conversation` ("new" starts one; its id continues it; or the X-Conversation-Id header) and
+`transport` ("auto" by default, or a transport name, or "native"). Each response carries a
+`ctxrelay` field (transport, reason, TTFT and its components, the conversation id) and the
+X-Ctxrelay-* headers; a stream sends the `ctxrelay` field in its last chunk, since its headers
+leave before the turn runs. Temperature defaults to 0 (greedy).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ctxrelay.relay.gate import requestable
+from ctxrelay.serve.chat import normalise
+from ctxrelay.serve.engine import Engine, Served
+from ctxrelay.serve.errors import ApiError
+from ctxrelay.serve.sessions import Session, SessionStore
+from ctxrelay.serve.streaming import TextDeltas, sse, stream
+
+
+@dataclass
+class Limits:
+    default_max_tokens: int = 64
+    max_tokens: int = 1024
+
+
+class _Generate(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # sampling knobs we do not implement are ignored
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    transport: str = "auto"  # ctxrelay: which transport may serve the turn
+
+
+class ChatRequest(_Generate):
+    messages: list[dict]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    conversation: str | None = None  # ctxrelay: "new", or an id this server issued
+
+
+class CompletionRequest(_Generate):
+    prompt: str | list[str]
+    conversation: str | None = None  # refused: completions keep no conversation
+
+
+def report_headers(report: dict) -> dict[str, str]:
+    h = {
+        "X-Ctxrelay-Transport": report["transport"],
+        "X-Ctxrelay-Reason": report["reason"].encode("ascii", "replace").decode()[:512],
+        "X-Ctxrelay-TTFT-S": f"{report['ttft_s']:.6f}",
+        "X-Ctxrelay-Timings": ";".join(f"{k}={v:.6f}" for k, v in report["timings"].items()),
+    }
+    if report.get("conversation"):
+        h["X-Conversation-Id"] = report["conversation"]
+    return h
+
+
+def usage(s: Served) -> dict:
+    n = len(s.result.tokens)
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": n, "total_tokens": s.prompt_tokens + n}
+
+
+def router(engine: Engine, sessions: SessionStore, tenant_of: Callable, limits: Limits) -> APIRouter:
+    api = APIRouter(prefix="/v1")
+    Tenant = Depends(tenant_of)
+
+    def checked(req: _Generate, max_tokens: int | None) -> int:
+        engine.model_or_404(req.model)
+        if req.n != 1:
+            raise ApiError(400, "n must be 1 (one choice per request)", param="n")
+        if req.stop:
+            raise ApiError(400, "stop sequences are not supported; use max_tokens", param="stop")
+        if req.transport not in requestable():
+            raise ApiError(400, f"transport must be one of {', '.join(requestable())}", param="transport")
+        n = max_tokens or limits.default_max_tokens
+        if n > limits.max_tokens:
+            raise ApiError(400, f"max_tokens {n} is above this server's limit {limits.max_tokens}", param="max_tokens")
+        return n
+
+    @api.get("/models")
+    def models(tenant: str = Tenant) -> dict:
+        return {"object": "list", "data": [_model(name) for name in engine.pool.models]}
+
+    @api.get("/models/{name:path}")
+    def model(name: str, tenant: str = Tenant) -> dict:
+        return _model(engine.model_or_404(name))
+
+    @api.post("/chat/completions")
+    def chat(req: ChatRequest, request: Request, tenant: str = Tenant):
+        max_tokens = checked(req, req.max_completion_tokens or req.max_tokens)
+        messages = normalise(req.messages)
+        session = _session(sessions, req.conversation, request.headers.get("x-conversation-id"), tenant)
+        release = _hold(engine, session, sessions)
+        base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": req.model}
+
+        def work(on_token=None) -> Served:
+            opts = dict(max_tokens=max_tokens, temperature=req.temperature or 0.0, transport=req.transport)
+            return engine.chat(tenant, req.model, messages, session, on_token=on_token, **opts)
+
+        if req.stream:
+            obj = {**base, "object": "chat.completion.chunk"}
+            chunk = lambda d: {**obj, "choices": [{"index": 0, "delta": {"content": d}, "finish_reason": None}]}
+
+            def closing(s: Served) -> list[dict]:
+                end = {"index": 0, "delta": {}, "finish_reason": s.finish_reason(max_tokens)}
+                return _closing(obj, end, s, req.stream_options)
+
+            first = {**obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+            return _streamed(work, engine, req.model, chunk, closing, release, first, session)
+        try:
+            s = work()
+        finally:
+            release()
+        msg = {"role": "assistant", "content": s.text}
+        choice = {"index": 0, "message": msg, "finish_reason": s.finish_reason(max_tokens)}
+        body = {**base, "object": "chat.completion", "choices": [choice], "usage": usage(s), "ctxrelay": s.report}
+        return _json(body, s.report)
+
+    @api.post("/completions")
+    def completions(req: CompletionRequest, request: Request, tenant: str = Tenant):
+        max_tokens = checked(req, req.max_tokens)
+        if req.conversation or request.headers.get("x-conversation-id"):
+            raise ApiError(400, "completions keep no conversation; use /v1/chat/completions", param="conversation")
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if len(prompts) != 1 or not prompts[0]:
+            raise ApiError(400, "prompt must be one non-empty string", param="prompt")
+        release = engine.admit()
+        base = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
+                "model": req.model}  # fmt: skip
+
+        def work(on_token=None) -> Served:
+            return engine.complete(req.model, prompts[0], max_tokens=max_tokens,
+                                   temperature=req.temperature or 0.0, on_token=on_token)  # fmt: skip
+
+        if req.stream:
+            choice = lambda text, fin: {"index": 0, "text": text, "logprobs": None, "finish_reason": fin}
+            chunk = lambda d: {**base, "choices": [choice(d, None)]}
+            closing = lambda s: _closing(base, choice("", s.finish_reason(max_tokens)), s, req.stream_options)
+            return _streamed(work, engine, req.model, chunk, closing, release, None, None)
+        try:
+            s = work()
+        finally:
+            release()
+        choice = {"index": 0, "text": s.text, "logprobs": None, "finish_reason": s.finish_reason(max_tokens)}
+        return _json({**base, "choices": [choice], "usage": usage(s), "ctxrelay": s.report}, s.report)
+
+    return api
+
+
+def _model(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "ctxrelay"}
+
+
+def _session(sessions: SessionStore, field: str | None, header: str | None, tenant: str) -> Session | None:
+    if field and header and field != header:
+        raise ApiError(400, "the conversation field and the X-Conversation-Id header name different conversations")
+    conv = field or header
+    return sessions.open(conv, tenant) if conv else None
+
+
+def _hold(engine: Engine, session: Session | None, sessions: SessionStore) -> Callable[[], None]:
+    """Take the queue slot and the conversation (one turn at a time); returns the release of both."""
+    if session is not None and not session.busy.acquire(blocking=False):
+        raise ApiError(409, f"conversation {session.id} is serving another turn; send the next turn after it")
+    try:
+        release_slot = engine.admit()
+    except ApiError:
+        if session is not None:
+            _forget_unserved(session, sessions)
+        raise
+
+    def release() -> None:
+        release_slot()
+        if session is not None:
+            _forget_unserved(session, sessions)
+        engine.metrics.sessions.set(len(sessions))
+        engine.metrics.state_bytes.set(sessions.trim())
+
+    return release
+
+
+def _forget_unserved(session: Session, sessions: SessionStore) -> None:
+    """Free the conversation for its next turn; one whose first turn never ran is dropped (nobody has its id)."""
+    if session.turns == 0:
+        sessions.discard(session)
+    session.busy.release()
+
+
+def _closing(obj: dict, end_choice: dict, s: Served, stream_options: dict | None) -> list[dict]:
+    out = [{**obj, "choices": [end_choice], "ctxrelay": s.report}]
+    if (stream_options or {}).get("include_usage"):
+        out.append({**obj, "choices": [], "usage": usage(s)})
+    return out
+
+
+def _streamed(work, engine: Engine, model: str, chunk, closing, release, first: dict | None, session) -> Response:
+    deltas = TextDeltas(engine.pool.models[model].tokenizer)
+    body = stream(work, deltas, chunk, closing, release)
+    if first is not None:
+        body = _prepend(sse(first), body)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if session is not None:
+        headers["X-Conversation-Id"] = session.id
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+
+def _prepend(head: str, rest):
+    yield head
+    yield from rest
+
+
+def _json(body: dict, report: dict) -> Response:
+    return JSONResponse(body, headers=report_headers(report))

@@ -1,0 +1,86 @@
+"""Conversations: per tenant, the messages so far and the state the last serving model left.
+
+Ids are issued by the server (`conversation: "new"`) and unguessable; a request naming an id that
+was not issued to ITS tenant gets 404, the same answer as an unknown id, so ids leak nothing across
+tenants. The store is bounded twice: past `max_sessions` the least recently used conversation is
+dropped (its id then answers 404 like any unknown one); past `max_state_bytes` of held states the
+least recently used conversations lose their state but keep their messages (their next turn is a
+native prefill of the transcript, and says so). A conversation serves one turn at a time (409
+while a turn is running): the next turn needs the state this one leaves.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ctxrelay.serve.errors import ApiError
+from ctxrelay.state import ContextState
+
+NEW = "new"
+
+
+@dataclass
+class Session:
+    id: str
+    tenant: str
+    messages: list[dict[str, str]] = field(default_factory=list)  # the transcript so far, replies included
+    model: str | None = None  # the model that served the last turn
+    state: ContextState | None = None  # that model's state of transcript(messages)
+    turns: int = 0
+    busy: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def new_messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """What a request adds: the client may resend the whole history (OpenAI style) or only the
+        new messages; a request that does not start with the stored history is read as the latter."""
+        n = len(self.messages)
+        return messages[n:] if messages[:n] == self.messages else messages
+
+
+class SessionStore:
+    def __init__(self, max_sessions: int = 1000, max_state_bytes: int = 4 << 30):
+        self.max_sessions, self.max_state_bytes = max_sessions, max_state_bytes
+        self._by_id: OrderedDict[str, Session] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def open(self, conversation: str, tenant: str) -> Session:
+        """A new session for "new", else the tenant's own session of that id (404 otherwise)."""
+        with self._lock:
+            if conversation == NEW:
+                s = Session("conv-" + secrets.token_urlsafe(18), tenant)
+                self._by_id[s.id] = s
+                while len(self._by_id) > self.max_sessions:
+                    self._by_id.popitem(last=False)
+                return s
+            s = self._by_id.get(conversation)
+            if s is None or s.tenant != tenant:
+                raise ApiError(
+                    404,
+                    f"no conversation {conversation!r} for this API key (start one with conversation='new'; "
+                    "its id comes back in ctxrelay.conversation and the X-Conversation-Id header)",
+                    param="conversation",
+                )
+            self._by_id.move_to_end(conversation)
+            return s
+
+    def discard(self, s: Session) -> None:
+        """Drop a session its first turn could not serve (nobody holds its id yet)."""
+        with self._lock:
+            self._by_id.pop(s.id, None)
+
+    def trim(self) -> int:
+        """Drop the states of the least recently used conversations until the held states fit the
+        byte budget; returns the bytes still held."""
+        with self._lock:
+            held = [(s, s.state.nbytes()) for s in self._by_id.values() if s.state is not None]
+            total = sum(n for _, n in held)
+            for s, n in held:  # oldest first
+                if total <= self.max_state_bytes:
+                    break
+                s.state, total = None, total - n
+            return total
