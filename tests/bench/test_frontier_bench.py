@@ -91,7 +91,7 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
         rows += [q(case, "none", 0.0, None, 0), q(case, "mix", 0.1, e1, 1), q(case, "mix", 0.2, e2, 1),
                  q(case, "mix", 0.3, 0.99, 1)]  # fmt: skip
     table = [{"f": f, "selection": "mix", "top1_agreement": a} for f, a in ((0.1, 0.86), (0.2, 0.9), (0.3, 0.95))]
-    est = {"signal": "tail_confidence", "slope": 1.0, "centres": {"0.1": [0.0, 0.0]}}  # estimate = the signal
+    est = {"signal": "tail_confidence", "slope": 1.0, "centres": {"0.1": [0.0, 0.0]}, "spearman": 0.6}  # = signal
     (g,) = gate_replay(rows, {("s", "r"): {"recompute": table, "estimate": est}}, 0.85, 1.1)
     # a: accepted at f=0.1 (1 s); b: 0.1 fails, 0.2 passes (1 + 2 s); c: both fail, f=0.3 is not 1.1x
     # faster than native so it is no candidate: native after paying 3 s (13 s)
@@ -102,6 +102,9 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
     next(x for x in rows if x.get("case_key") == "a" and x["f"] == 0.1)["answer"] = " "
     (g,) = gate_replay(rows, {("s", "r"): {"recompute": table, "estimate": est}}, 0.85, 1.1)
     assert g["points"] == {"f=0.20 mix": 2, "native": 1}
+    # an estimate that ranked its calibration texts weakly is not acted on: the cheapest point serves
+    (g,) = gate_replay(rows, {("s", "r"): {"recompute": table, "estimate": {**est, "spearman": 0.3}}}, 0.85, 1.1)
+    assert g["points"] == {"f=0.10 mix": 2, "f=0.20 mix": 1}
 
 
 def test_a_quality_only_run_still_plots(tmp_path):

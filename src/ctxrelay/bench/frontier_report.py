@@ -163,7 +163,7 @@ def _candidates(table: list[dict], timing: dict, key: tuple, threshold: float, m
 
 def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, threshold: float) -> dict:
     """One request through the gate: the first candidate whose estimate passes, else native."""
-    from ctxrelay.transports.heterofold.recompute import estimate
+    from ctxrelay.transports.heterofold.recompute import estimate, trusts
 
     native = by_case.get((*key, "none", 0.0), {})
     spent = 0.0
@@ -175,7 +175,7 @@ def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, t
         e = estimate(model, _info(row, "question_info" if row.get("question_info") else "continuation_info"))
         # the gate refuses a relay whose first token ends the text: an empty answer
         empty = row.get("dataset") == "needle" and row.get("answer") is not None and not row["answer"].strip()
-        if e is not None and e >= threshold and not empty:
+        if (e is None or not trusts(model) or e >= threshold) and not empty:
             ratio = row["ppl"]["128"] / row["native_ppl"]["128"] if "128" in row["ppl"] else None
             return {"point": f"f={f:.2f} {rule}", "ttft_s": spent, "native_ttft_s": native_s,
                     "top1": row["top1_agreement"], "needle": row.get("needle_acc"), "ppl_ratio": ratio,
@@ -192,9 +192,9 @@ def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: flo
     Per direction and length: the operating points whose calibrated top-1 (the artifact's recompute
     table) meets `threshold` and whose measured TTFT (timing rows) beats native by `margin`, cheapest
     first. Per request: relay at the first; accept when the artifact's estimate for that request
-    (from the row's signals) meets the threshold and the answer is not empty (the gate refuses a relay
-    whose first token ends the text), else pay that relay and try the next while time is
-    left, else native prefill. Answers, top-1 and TTFT come from the rows of the points tried."""
+    (from the row's signals; where the gate trusts it) meets the threshold and the answer is not
+    empty (the gate refuses a relay whose first token ends the text), else pay that relay and try
+    the next while time is left, else native prefill. Answers, top-1 and TTFT come from the rows of the points tried."""
     timing = {_point_key(x): x for x in rows if x.get("kind") == "timing"}
     quality = [x for x in rows if x.get("kind") != "timing"]
     by_case = {(x["sender"], x["receiver"], x["case_key"], x["selection"], x["f"]): x for x in quality}

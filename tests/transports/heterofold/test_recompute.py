@@ -136,9 +136,14 @@ def test_recompute_stage_measures_each_fraction_and_fits_an_estimate(tiny_by_fam
     assert labels == ["", "f=0.20 mix", "f=0.60 mix"]
     suffix = suffix_ids(receiver, QUESTION)
     state = capture_state(sender, CONTEXT, "t")
+    art.quality["estimate"] = {**est, "spearman": 0.6}
     out = relay_prefill(receiver, state, art, suffix, recompute=0.2)
     assert 0.0 <= out.info["estimate"] <= 1.0  # every recomputed request reports its estimate
     assert "estimate" not in relay_prefill(receiver, state, art, suffix).info
+    # an estimate that ranked its calibration texts weakly is reported but not given to the gate
+    art.quality["estimate"] = {**est, "spearman": 0.3}
+    weak = relay_prefill(receiver, state, art, suffix, recompute=0.2).info
+    assert "estimate" not in weak and weak["estimate_unused"] == out.info["estimate"]
 
 
 def test_copy_sources_find_what_followed_the_contexts_last_tokens_earlier():

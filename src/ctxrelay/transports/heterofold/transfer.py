@@ -25,7 +25,7 @@ from ctxrelay.timing import Stopwatch
 from ctxrelay.transports.base import RelayOutput, check_edge
 from ctxrelay.transports.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
 from ctxrelay.transports.heterofold.maps import FoldMaps, translate
-from ctxrelay.transports.heterofold.recompute import estimate, select
+from ctxrelay.transports.heterofold.recompute import estimate, select, trusts
 from ctxrelay.transports.heterofold.recompute import recompute as recompute_positions
 
 TRANSPORT = "heterofold"
@@ -166,9 +166,10 @@ def relay_prefill(
             **picked.info,
             **signals,
         )
-    est = estimate(artifact.quality.get("estimate"), info)
-    if est is not None:
-        info["estimate"] = est
+    model = artifact.quality.get("estimate")
+    est = estimate(model, info)
+    if est is not None:  # the gate checks info["estimate"]; one that ranks too weakly is only reported
+        info["estimate" if trusts(model) else "estimate_unused"] = est
     return RelayOutput(out.cache, out.logits, sw.timings, info)
 
 
