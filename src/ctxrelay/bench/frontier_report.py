@@ -112,7 +112,11 @@ def plot(rows: list[dict], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
+    from ctxrelay.transports.heterofold.recompute import RULES
+
+    colors = {rule: f"C{i}" for i, rule in enumerate(RULES)}  # one colour per rule in every column
     summary = summarize(rows)
     dirs = sorted({(x["sender"], x["receiver"]) for x in summary})
     longest = max(x["length"] for x in summary)
@@ -131,20 +135,30 @@ def plot(rows: list[dict], path: Path) -> Path:
                     if vals and sp:
                         xs.append(sp)
                         ys.append(sum(vals) / len(vals))
-                style = {"marker": "*", "ms": 12, "color": "black"} if rule == "none" else {"marker": "o"}
+                style = {"marker": "o", "color": colors.get(rule)}
+                if rule == "none":
+                    style = {"marker": "*", "ms": 12, "color": "black"}
                 ax.plot(xs, ys, label="f = 0" if rule == "none" else rule, **style)
             if metric == "needle_acc":
                 nat = [x["native_needle_acc"] for x in pts if "native_needle_acc" in x]
                 if nat:
                     ax.axhline(sum(nat) / len(nat), color="grey", ls="--", lw=1, label="native")
-            if timed:
+            if timed:  # plain numbers on a log axis: the interesting range is 1.5x-25x
                 ax.set_xscale("log")
+                top = max((v for v in speed.values() if v), default=1.0)
+                ax.set_xticks([t for t in (1, 2, 3, 5, 10, 20, 30) if t <= 1.5 * top])
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel(f"TTFT speedup at {longest} tokens (x)" if timed else "recompute fraction f")
             ax.set_ylabel(label)
             ax.set_title(f"{s} -> {r}", fontsize=8)
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
+    legend = {}  # one legend for every rule of any column
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=len(legend), fontsize=7)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     out = Path(path).with_suffix(".png")
     fig.savefig(out)
     plt.close(fig)
