@@ -12,18 +12,19 @@ from ctxrelay.errors import UsageError
 SAME_MACHINE = ("cpu_model", "cores", "torch_threads", "device", "torch")
 
 
-def reusable(out: str, extra: dict) -> list[dict]:
-    """Rows of an earlier run with the same cases, options, repeats and machine (any directions)."""
+def reusable(out: str, extra: dict) -> dict | None:
+    """An earlier run's results with the same cases, options, repeats and machine (any directions),
+    whose rows this run keeps; None when there is none."""
     try:
         doc = read_results(out)
     except (UsageError, ValueError):
-        return []
+        return None
     if any(doc.get(k) != extra[k] for k in ("options", "lengths", "repeats", "cases")):
-        return []
+        return None
     now, then = machine_facts(), doc.get("machine", {})
     if any(now.get(k) != then.get(k) for k in SAME_MACHINE):
-        return []
-    return list(doc["rows"])
+        return None
+    return doc
 
 
 def _mean(xs) -> float | None:
@@ -255,33 +256,35 @@ def _needles(x: dict) -> str:
     return f"{round(x['needle_acc'] * n)}/{n} ({round(x.get('native_needle_acc', 0) * n)})"
 
 
+def _markdown(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
 def tables(doc: dict, rules: set[str] | None = None) -> str:
     """The run as three markdown tables: the frontier (points of `rules`, all when None), the gate's
     default decision replayed per request, and how the per-request estimate ranks requests."""
-    head = ["direction", "tokens", "rule", "f", "run f", "needles (native)", "essays top-1", "essays ppl x",
-            "sharegpt top-1", "sharegpt ppl x", "speedup"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for x in doc.get("summary", []):
-        if rules is not None and x["selection"] not in rules:
-            continue
-        cells = [f"{x['sender']} -> {x['receiver']}", str(x["length"]), x["selection"], f"{x['f']:.2f}",
-                 _cell(x.get("recompute_fraction"), ".3f"), _needles(x), _cell(x.get("essays_top1")),
-                 _cell(x.get("essays_ppl128_ratio")), _cell(x.get("sharegpt_top1")),
-                 _cell(x.get("sharegpt_ppl128_ratio")), _cell(x.get("speedup"), ".1f")]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    gate_head = ["direction", "tokens", "requests", "gate chose", "needles (native)", "essays top-1", "essays ppl x",
-                 "sharegpt top-1", "sharegpt ppl x", "speedup"]  # fmt: skip
-    lines += ["", "| " + " | ".join(gate_head) + " |", "|" + "---|" * len(gate_head)]
-    for x in doc.get("gate", []):
-        chose = ", ".join(f"{p} x{k}" for p, k in x["points"].items())
-        cells = [f"{x['sender']} -> {x['receiver']}", str(x["length"]), str(x["requests"]), chose, _needles(x),
-                 _cell(x.get("essays_top1")), _cell(x.get("essays_ppl128_ratio")), _cell(x.get("sharegpt_top1")),
-                 _cell(x.get("sharegpt_ppl128_ratio")), _cell(x.get("speedup"), ".1f")]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    est_head = ["direction", "f", "signal", "requests", "Spearman top-1", "questions", "Spearman needle"]
-    lines += ["", "| " + " | ".join(est_head) + " |", "|" + "---|" * len(est_head)]
-    for x in doc.get("estimate_check", []):
-        cells = [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", x.get("signal", "(pooled)"), str(x["requests"]),
-                 _cell(x.get("spearman_top1")), str(x["questions"]), _cell(x.get("spearman_needle"))]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
+    frontier = [
+        [f"{x['sender']} -> {x['receiver']}", str(x["length"]), x["selection"], f"{x['f']:.2f}",
+         _cell(x.get("recompute_fraction"), ".3f"), _needles(x), _cell(x.get("essays_top1")),
+         _cell(x.get("essays_ppl128_ratio")), _cell(x.get("sharegpt_top1")),
+         _cell(x.get("sharegpt_ppl128_ratio")), _cell(x.get("speedup"), ".1f")]
+        for x in doc.get("summary", []) if rules is None or x["selection"] in rules
+    ]  # fmt: skip
+    gate = [
+        [f"{x['sender']} -> {x['receiver']}", str(x["length"]), str(x["requests"]),
+         ", ".join(f"{p} x{k}" for p, k in x["points"].items()), _needles(x), _cell(x.get("essays_top1")),
+         _cell(x.get("essays_ppl128_ratio")), _cell(x.get("sharegpt_top1")), _cell(x.get("sharegpt_ppl128_ratio")),
+         _cell(x.get("speedup"), ".1f")]
+        for x in doc.get("gate", [])
+    ]  # fmt: skip
+    est = [
+        [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", x.get("signal", "(pooled)"), str(x["requests"]),
+         _cell(x.get("spearman_top1")), str(x["questions"]), _cell(x.get("spearman_needle"))]
+        for x in doc.get("estimate_check", [])
+    ]  # fmt: skip
+    quality = ["essays top-1", "essays ppl x", "sharegpt top-1", "sharegpt ppl x", "speedup"]
+    lines = _markdown(["direction", "tokens", "rule", "f", "run f", "needles (native)", *quality], frontier)
+    lines += ["", *_markdown(["direction", "tokens", "requests", "gate chose", "needles (native)", *quality], gate)]
+    heads = ["direction", "f", "signal", "requests", "Spearman top-1", "questions", "Spearman needle"]
+    lines += ["", *_markdown(heads, est)]
     return "\n".join(lines)

@@ -258,10 +258,10 @@ def bench(
         timing = x.get("kind") == "timing"
         return x["selection"] in redo and (phase == "both" or timing == (phase == "timing"))
 
-    kept = reusable(out, extra) if resume else []
-    rows = [x for x in kept if not stale(x)]
+    earlier = (reusable(out, extra) if resume else None) or {}
+    rows = [x for x in earlier.get("rows", []) if not stale(x)]
     # one file gathers the runs of several directions and phases: every command that wrote rows in it
-    commands = list(dict.fromkeys([*(read_results(out).get("commands", []) if kept else []), command]))
+    commands = list(dict.fromkeys([*earlier.get("commands", []), command]))
     done = {_row_key(x) for x in rows}
     states = {s: cached_sender_states(s, [c.context for c in cases]) for s in dict.fromkeys(s for s, _ in dirs)}
     firsts = {c.length: c for c in reversed(cases) if c.kind == "needle"}

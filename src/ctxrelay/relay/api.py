@@ -125,9 +125,10 @@ class ModelPool:
         for e in self.graph.edges_from(m.spec.weights_hash):
             by_transport.setdefault(e.transport, []).append(e.params)
         plans = [transports.get(t).capture_plan(m, params) for t, params in by_transport.items()]
+        state = None
         if extend is not None:
             extend.check(tenant=tenant)
-        state = extend_state(m, extend, text, plans) if extend is not None else None
+            state = extend_state(m, extend, text, plans)
         if state is None:
             state = capture_state(m, text, tenant, plans)  # K/V always: the sender itself continues from them
         if store:
@@ -202,9 +203,9 @@ class ModelPool:
         )
 
     def _relay_checked(self, d: Decision, state, r, suffix, t0, timings, threshold, check) -> tuple:
-        """Relay through the gate's cheapest candidate; where the transport estimates THIS request
-        below the threshold, try the next candidate while the time spent still leaves it faster than
-        native prefill. Returns (RelayOutput, "") or (None, why native)."""
+        """Relay through the gate's cheapest candidate; where the relay would answer nothing or the
+        transport estimates THIS request below the threshold, try the next candidate while the time
+        spent still leaves it faster than native prefill. Returns (RelayOutput, "") or (None, why native)."""
         tried: list[str] = []
         for i, c in enumerate(d.candidates):
             if i:
@@ -218,21 +219,17 @@ class ModelPool:
             except (CtxrelayError, ValueError, RuntimeError) as e:  # never a wrong answer: fall back
                 log.warning("%s failed (%s); native prefill instead", c.label, e)
                 return None, f"{c.label} failed ({e}); native prefill instead"
-            if check and int(out.logits[-1].argmax()) in runner.eos_ids(r):
-                # an approximate cache can inflate end-of-text (the demo: smollm2's EOS 0.23 relayed vs
-                # 0.04 native): a relay that would answer nothing is never served
-                tried.append(f"{c.label}: the relayed first token ends the text (an empty answer)")
+            refused = _refusal(out, r, threshold) if check else ""
+            if refused:
+                tried.append(f"{c.label}: {refused}")
                 timings["rejected_relay_s"] = timings.get("rejected_relay_s", 0.0) + time.perf_counter() - ta
                 continue
             est = out.info.get("estimate")
-            if est is None or not check or est >= threshold:
-                if est is not None:
-                    d.reason += f"; estimated top-1 for this request {est:.2f}"
-                if tried:
-                    d.reason += " (after " + "; ".join(tried) + ")"
-                return out, ""
-            tried.append(f"{c.label}: estimated top-1 {est:.2f} < {threshold:.2f}")
-            timings["rejected_relay_s"] = timings.get("rejected_relay_s", 0.0) + time.perf_counter() - ta
+            if est is not None:
+                d.reason += f"; estimated top-1 for this request {est:.2f}"
+            if tried:
+                d.reason += " (after " + "; ".join(tried) + ")"
+            return out, ""
         return None, "; ".join(tried) + "; native prefill instead (no faster relay passes the checks)"
 
     def native(self, receiver: str, text: str, suffix: str = "", **kw) -> RelayResult:
@@ -303,3 +300,15 @@ class ModelPool:
             decision=decision,
             first_logits=out.logits[-1],
         )
+
+
+def _refusal(out: RelayOutput, r: LoadedModel, threshold: float) -> str:
+    """Why a relayed prefill must not be served to this request ("" when it may)."""
+    if int(out.logits[-1].argmax()) in runner.eos_ids(r):
+        # an approximate cache can inflate end-of-text (the demo: smollm2's EOS 0.23 relayed vs 0.04
+        # native): a relay that would answer nothing is never served
+        return "the relayed first token ends the text (an empty answer)"
+    est = out.info.get("estimate")
+    if est is not None and est < threshold:
+        return f"estimated top-1 {est:.2f} < {threshold:.2f}"
+    return ""

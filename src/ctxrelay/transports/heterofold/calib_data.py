@@ -163,14 +163,13 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
 
 def _refit(path: Path, command: str) -> Path:
     from ctxrelay.transports import heterofold
-    from ctxrelay.transports.heterofold.faithful import fit_estimate
+    from ctxrelay.transports.heterofold.faithful import estimate_entry
 
     art = Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
     stage = art.params.get("recompute_stage")
     if not stage:
         raise UsageError(f"{path} has no recompute stage to refit: run --set stage=recompute first")
-    est = fit_estimate([r for r in stage["rows"] if r["f"] > 0])
-    art.quality["estimate"] = {**est, "rule": stage.get("rule", "mix")} if est else {}
+    art.quality["estimate"] = estimate_entry(stage["rows"], stage.get("rule", "mix"))
     stage["refit_command"] = command
     art.save(path)
     return path

@@ -81,5 +81,10 @@ def calibrate_recompute(
             rows.append(row)
         res = pooled.result(heldout.HORIZONS)
         table.append({"f": f, "selection": rule, **res, "texts": len(items)})
+    return {"recompute": table, "estimate": estimate_entry(rows, rule), "recompute_rows": rows}
+
+
+def estimate_entry(rows: list[dict], rule: str) -> dict:
+    """The artifact's quality["estimate"] from the recompute stage's per-text rows (f = 0 has no signals)."""
     est = fit_estimate([r for r in rows if r["f"] > 0])
-    return {"recompute": table, "estimate": {**est, "rule": rule} if est else {}, "recompute_rows": rows}
+    return {**est, "rule": rule} if est else {}
