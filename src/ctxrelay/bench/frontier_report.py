@@ -166,11 +166,17 @@ def plot(rows: list[dict], path: Path) -> Path:
     return out
 
 
-def _candidates(table: list[dict], timing: dict, key: tuple, threshold: float, margin: float) -> list[tuple]:
-    """(rule, f, relay_s, native_s) of the points passing calibrated quality and measured speed, by f."""
+def _candidates(quality: dict, timing: dict, key: tuple, threshold: float, margin: float) -> list[tuple]:
+    """(rule, f, relay_s, native_s) of the points passing calibrated quality (top-1 and, where the artifact
+    measured it, fact recall) and measured speed, by f."""
+    from ctxrelay.transports.heterofold.facts import facts_at
+
     out = []
-    for p in sorted(table, key=lambda p: p["f"]):
+    for p in sorted(quality.get("recompute", []), key=lambda p: p["f"]):
         t = timing.get((*key, p["selection"], p["f"]))
+        recall = facts_at(quality, p["f"]).get("fact_recall")
+        if recall is not None and recall < threshold:
+            continue
         if p["top1_agreement"] >= threshold and t and t["relay_ttft_s"] * margin < t["native_ttft_s"]:
             out.append((p["selection"], p["f"], t["relay_ttft_s"], t["native_ttft_s"]))
     return out
@@ -205,7 +211,7 @@ def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: flo
     """The gate's default decision, replayed per request on the measured rows.
 
     Per direction and length: the operating points whose calibrated top-1 (the artifact's recompute
-    table) meets `threshold` and whose measured TTFT (timing rows) beats native by `margin`, cheapest
+    table, and its fact recall where the fact stage ran) meets `threshold` and whose measured TTFT (timing rows) beats native by `margin`, cheapest
     first. Per request: relay at the first; accept when the artifact's estimate for that request
     (from the row's signals; where the gate trusts it) meets the threshold and the answer is not
     empty (the gate refuses a relay whose first token ends the text), else pay that relay and try
@@ -216,7 +222,7 @@ def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: flo
     out = []
     for (s, r), q in sorted(qualities.items()):
         for n in sorted({x["length"] for x in quality if (x["sender"], x["receiver"]) == (s, r)}):
-            cands = _candidates(q.get("recompute", []), timing, (s, r, n), threshold, margin)
+            cands = _candidates(q, timing, (s, r, n), threshold, margin)
             cases = sorted({x["case_key"] for x in quality if (x["sender"], x["receiver"], x["length"]) == (s, r, n)})
             res = [_replay(cands, by_case, (s, r, ck), q.get("estimate"), threshold) for ck in cases]
             needles = [x for x in res if x["native_needle"] is not None]
