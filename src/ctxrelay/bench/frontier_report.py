@@ -211,11 +211,12 @@ def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: flo
     """The gate's default decision, replayed per request on the measured rows.
 
     Per direction and length: the operating points whose calibrated top-1 (the artifact's recompute
-    table, and its fact recall where the fact stage ran) meets `threshold` and whose measured TTFT (timing rows) beats native by `margin`, cheapest
-    first. Per request: relay at the first; accept when the artifact's estimate for that request
-    (from the row's signals; where the gate trusts it) meets the threshold and the answer is not
-    empty (the gate refuses a relay whose first token ends the text), else pay that relay and try
-    the next while time is left, else native prefill. Answers, top-1 and TTFT come from the rows of the points tried."""
+    table) and fact recall (where the fact stage ran) meet `threshold` and whose measured TTFT (timing
+    rows) beats native by `margin`, cheapest first. Per request: relay at the first; accept when the
+    artifact's estimate for that request (from the row's signals; where the gate trusts it) meets the
+    threshold and the answer is not empty (the gate refuses a relay whose first token ends the text),
+    else pay that relay and try the next while time is left, else native prefill. Answers, top-1 and
+    TTFT come from the rows of the points tried."""
     timing = {_point_key(x): x for x in rows if x.get("kind") == "timing"}
     quality = [x for x in rows if x.get("kind") != "timing"]
     by_case = {(x["sender"], x["receiver"], x["case_key"], x["selection"], x["f"]): x for x in quality}
