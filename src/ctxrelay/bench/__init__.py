@@ -18,6 +18,7 @@ BENCHES = {
     "decode": "ctxrelay.bench.decode",
     "heterofold-frontier": "ctxrelay.bench.heterofold_frontier",
     "load": "ctxrelay.bench.load",
+    "router": "ctxrelay.bench.router",
 }
 
 
