@@ -85,16 +85,18 @@ def text_of(pairs: list[tuple[str, str]]) -> tuple[str, list[tuple[int, int, int
 @torch.inference_mode()
 def score_conversation(m: LoadedModel, text: str, spans: list[tuple[int, int, int]]) -> list[TurnFacts]:
     ids, offs = tokenize_context(m, text)
-    lp = torch.log_softmax(runner.forward(m, ids, logits="all").logits.float(), -1)
-    tok_lp = torch.cat([torch.zeros(1), lp[:-1].gather(1, ids[1:, None]).view(-1)])  # log p(token | before)
+    hidden = runner.forward(m, ids, logits="none").hidden  # the head only where a reply token is predicted
     ends, starts = offs[:, 1], offs[:, 0]
     out = []
     for user_end, a, b in spans:
         inside = (starts >= a) & (ends <= b) & (ends > starts)
         inside[0] = False
-        n_reply = int(inside.sum())
-        out.append(TurnFacts(int((ends <= user_end).sum()), int((ends <= b).sum()), n_reply,
-                             float(tok_lp[inside].mean()) if n_reply else 0.0))  # fmt: skip
+        pos = inside.nonzero().view(-1)
+        score = 0.0
+        if pos.numel():
+            lp = torch.log_softmax(runner.head(m, hidden[:, pos - 1], "all").float(), -1)
+            score = float(lp.gather(1, ids[pos][:, None]).mean())
+        out.append(TurnFacts(int((ends <= user_end).sum()), int((ends <= b).sum()), int(pos.numel()), score))
     return out
 
 
