@@ -294,4 +294,30 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
     lines += ["", *_markdown(["direction", "tokens", "requests", "gate chose", "needles (native)", *quality], gate)]
     heads = ["direction", "f", "signal", "requests", "Spearman top-1", "questions", "Spearman needle"]
     lines += ["", *_markdown(heads, est)]
+    cal = [
+        [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", _cell(x.get("top1_agreement")),
+         "-" if x.get("native_right") is None else f"{x['kept']}/{x['native_right']} of {x['cases']}",
+         _cell(x.get("fact_recall")), "yes" if x["passes"] else "no"]
+        for x in doc.get("calibrated", [])
+    ]  # fmt: skip
+    heads = ["direction", "f", "calibrated top-1", "facts kept", "fact recall", "passes the gate's quality"]
+    lines += ["", *_markdown(heads, cal)]
     return "\n".join(lines)
+
+
+def calibrated_points(qualities: dict, threshold: float) -> list[dict]:
+    """Per direction and f of the artifact's recompute table: calibrated top-1, the fact stage's counts, and
+    whether the point passes the gate's quality checks at `threshold` (before cost)."""
+    from ctxrelay.transports.heterofold.facts import facts_at
+
+    out = []
+    for (s, r), q in sorted(qualities.items()):
+        for p in sorted(q.get("recompute", []), key=lambda p: p["f"]):
+            facts = next((e for e in q.get("facts", []) if abs(e["f"] - p["f"]) < 1e-9), {})
+            recall = facts_at(q, p["f"]).get("fact_recall")
+            ok = p["top1_agreement"] >= threshold and (recall is None or recall >= threshold)
+            counts = {k: facts[k] for k in ("cases", "native_right", "kept", "fact_recall") if k in facts}
+            item = {"sender": s, "receiver": r, "f": p["f"], "top1_agreement": p["top1_agreement"], "passes": ok,
+                    **counts}  # fmt: skip
+            out.append({k: v for k, v in item.items() if v is not None})
+    return out
