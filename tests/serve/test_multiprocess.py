@@ -51,6 +51,7 @@ def cluster(redis_url, tiny_by_family, tmp_path_factory):
     servers = [launch(args, serve_env(cache, KEYS), tmp) for _ in "AB"]  # both load at once
     try:
         a, b = (s.wait_up() for s in servers)
+        assert httpx.get(a.url + "/healthz").json()["conversations"] == "redis"  # --sessions auto, a redis store
         yield a, b, redis.Redis.from_url(redis_url), llama.spec.name, qwen.spec.name
     finally:
         for s in servers:

@@ -84,7 +84,7 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
 
     @app.get("/healthz")
     def healthz() -> dict:
-        return {"ok": True, "models": list(pool.models)}
+        return {"ok": True, "models": list(pool.models), "conversations": sessions.kind}
 
     @app.get("/metrics")
     def prometheus() -> Response:
