@@ -85,8 +85,8 @@ def started(url: str, model: str) -> str:
     return r.json()["ctxrelay"]["conversation"]
 
 
-def test_a_long_turn_keeps_its_lock_and_release_frees_it(redis_url):
-    """The lock outlives its expiry while the turn runs (renewed), and only its holder releases it."""
+def test_a_long_turn_keeps_its_lock_and_only_its_holder_saves_or_releases(redis_url):
+    """The lock outlives its expiry while the turn runs (renewed); a turn that lost it saves nothing."""
     r = redis.Redis.from_url(redis_url)
     store = RedisSessionStore(r, MemoryStore(1 << 20, 4096), prefix="ctxrelay-lock-test", lock_ttl_s=0.3)
     try:
@@ -99,6 +99,16 @@ def test_a_long_turn_keeps_its_lock_and_release_frees_it(redis_url):
             store.hold(Session(s.id, "acme"))  # another request for the same conversation
         store.release(s)
         assert not r.exists(lock)
+        # a turn whose lock expired and went to another turn is not saved, and leaves that lock alone
+        late = store.open("new", "acme")
+        store.hold(late)
+        late.messages, late.turns = [{"role": "user", "content": "hi"}], 1
+        r.set(store.lock_key("acme", late.id), "another-turn")
+        with pytest.raises(ApiError, match="lost its turn lock") as e:
+            store.save(late)
+        assert e.value.status_code == 409 and not r.exists(store.record_key("acme", late.id))
+        store.release(late)
+        assert r.get(store.lock_key("acme", late.id)) == b"another-turn"
     finally:
         store.close()
 

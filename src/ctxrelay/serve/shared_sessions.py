@@ -144,6 +144,8 @@ class RedisSessionStore:
         keys = [lock, self.record_key(s.tenant, s.id), self.lru_key]
         args = [turn.token, json.dumps(record), record["updated"]]
         if not self._call("save the conversation (this turn was not saved)", self._save, keys=keys, args=args):
+            if key is not None and key != turn.state:
+                self._forget_state(key)  # no record names it
             ttl = self.lock_ms / 1000
             why = f"conversation {s.id} lost its turn lock (not renewed within {ttl:g} s); this turn was not saved"
             raise ApiError(409, why + ", send it again")
