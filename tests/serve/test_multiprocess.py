@@ -78,9 +78,9 @@ def state_key(r: redis.Redis, conv: str) -> str:
     )
 
 
-def started(url: str, model: str) -> str:
+def started(url: str, model: str, messages: list[dict] = QUESTION) -> str:
     """A new conversation with one turn served by `url`; returns its id."""
-    r = turn(url, model, QUESTION, "new")
+    r = turn(url, model, messages, "new")
     assert r.status_code == 200, r.text
     return r.json()["ctxrelay"]["conversation"]
 
@@ -153,18 +153,31 @@ def test_redis_holds_json_records_and_safetensors_states_only(cluster):
         kind = key.split(":")[1]
         if kind == "conv-lru":
             assert all(m.decode().startswith("ctxrelay:conv:") for m in r.zrange(key, 0, -1))
+        elif kind == "conv-state-refs":  # state -> how many records name it
+            assert all(r.exists(f"ctxrelay:state:{k.decode()}") and int(n) > 0 for k, n in r.hgetall(key).items())
         else:
             value = r.get(key)
             assert not value.startswith(b"\x80")  # pickle protocol 2+ opens with 0x80
             assert json.loads(value)["version"] == 1 if kind == "conv" else load_safetensors(value)
         kinds[kind] = kinds.get(kind, 0) + 1
-    assert set(kinds) == {"conv", "conv-lru", "state"}, kinds  # no lock is left behind
+    assert set(kinds) == {"conv", "conv-lru", "conv-state-refs", "state"}, kinds  # no lock is left behind
+
+
+def test_conversations_with_one_transcript_share_its_state_until_the_last_moves_on(cluster):
+    _, b, r, llama, _ = cluster
+    one, two = started(b.url, llama), started(b.url, llama)
+    shared = state_key(r, one)
+    assert state_key(r, two) == shared  # the same transcript on the same model: one state
+    assert turn(b.url, llama, [{"role": "user", "content": "Next?"}], one).json()["ctxrelay"]["turn"] == 2
+    assert r.exists(shared)  # `two` still names it
+    second = turn(b.url, llama, [{"role": "user", "content": "Other?"}], two).json()["ctxrelay"]
+    assert second["transport"] == "self" and second["turn"] == 2, second["reason"]
 
 
 def test_a_state_gone_from_the_store_means_a_native_turn_that_says_so(cluster):
     _, b, r, llama, _ = cluster
-    conv = started(b.url, llama)
-    r.delete(state_key(r, conv))
+    conv = started(b.url, llama, [{"role": "user", "content": "A question nobody else asks?"}])
+    r.delete(state_key(r, conv))  # as Redis eviction or an expiry would
     body = turn(b.url, llama, [{"role": "user", "content": "Next?"}], conv).json()["ctxrelay"]
     assert body["transport"] == "native" and "no longer in the state store" in body["reason"] and body["turn"] == 2
 

@@ -15,7 +15,9 @@ data, keyed so that other engines can read them (no Python objects):
   conversation's turn at once (409, as within one process), and a killed process holds it for at
   most `lock_ttl_s`;
 - `ctxrelay:conv-lru`: record keys by last use; past `max_sessions` the least recently used
-  conversations go, record and state (their id then answers 404 like any unknown one).
+  conversations go (their id then answers 404 like any unknown one);
+- `ctxrelay:conv-state-refs`: how many records name each state (conversations with the same
+  transcript on the same model share one); a state goes when no record names it any more.
 
 The record is read again once the lock is taken (another process may have served a turn since
 `open`), and `save` writes it only while the lock is still this turn's (one Lua script).
@@ -50,9 +52,20 @@ _ID = re.compile(r"conv-[A-Za-z0-9_-]{1,64}")  # what new_id issues; anything el
 # only the holder of the lock's token extends it, releases it or writes what it guards
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _UNLOCK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
-_SAVE = """if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+# the save: the record and its last use, and the states' reference counts (ARGV[4] the state it
+# names now, ARGV[5] the one it named; '' for none): -1 lock lost, 1 the old state is unreferenced
+_SAVE = """if redis.call('get', KEYS[1]) ~= ARGV[1] then return -1 end
 redis.call('set', KEYS[2], ARGV[2])
 redis.call('zadd', KEYS[3], ARGV[3], KEYS[2])
+if ARGV[4] == ARGV[5] then return 0 end
+if ARGV[4] ~= '' then redis.call('hincrby', KEYS[4], ARGV[4], 1) end
+if ARGV[5] ~= '' and redis.call('hincrby', KEYS[4], ARGV[5], -1) <= 0 then
+  redis.call('hdel', KEYS[4], ARGV[5])
+  return 1
+end
+return 0"""
+_UNREF = """if redis.call('hincrby', KEYS[1], ARGV[1], -1) > 0 then return 0 end
+redis.call('hdel', KEYS[1], ARGV[1])
 return 1"""
 
 
@@ -74,7 +87,8 @@ class RedisSessionStore:
         self.client, self.states, self.prefix, self.max_sessions = client, states, prefix, max_sessions
         self.lock_ms = max(1, int(lock_ttl_s * 1000))
         self._errors = (redis.exceptions.RedisError, OSError)
-        self._renew, self._unlock, self._save = (client.register_script(s) for s in (_RENEW, _UNLOCK, _SAVE))
+        scripts = (_RENEW, _UNLOCK, _SAVE, _UNREF)
+        self._renew, self._unlock, self._save, self._unref = (client.register_script(s) for s in scripts)
         self._turns: dict[str, _Turn] = {}  # lock key -> the turn this process runs under it
         self._mutex = threading.Lock()
         self._closed = threading.Event()
@@ -91,6 +105,12 @@ class RedisSessionStore:
     @property
     def lru_key(self) -> str:
         return f"{self.prefix}:conv-lru"
+
+    @property
+    def refs_key(self) -> str:
+        """A hash: state (tenant:content_hash:model_hash) -> how many records name it. Conversations
+        with the same transcript on the same model share one state; it goes when the last one moves on."""
+        return f"{self.prefix}:conv-state-refs"
 
     def _call(self, what: str, fn, *args, **kw):
         try:
@@ -141,16 +161,16 @@ class RedisSessionStore:
                                                "model_hash": key.model_hash},
             "turns": s.turns, "updated": time.time(),
         }  # fmt: skip
-        keys = [lock, self.record_key(s.tenant, s.id), self.lru_key]
-        args = [turn.token, json.dumps(record), record["updated"]]
-        if not self._call("save the conversation (this turn was not saved)", self._save, keys=keys, args=args):
-            if key is not None and key != turn.state:
-                self._forget_state(key)  # no record names it
+        keys = [lock, self.record_key(s.tenant, s.id), self.lru_key, self.refs_key]
+        args = [turn.token, json.dumps(record), record["updated"], _ref(key), _ref(turn.state)]
+        done = self._call("save the conversation (this turn was not saved)", self._save, keys=keys, args=args)
+        if done == -1:
+            self._forget_unnamed(key)
             ttl = self.lock_ms / 1000
             why = f"conversation {s.id} lost its turn lock (not renewed within {ttl:g} s); this turn was not saved"
             raise ApiError(409, why + ", send it again")
-        if turn.state is not None and turn.state != key:
-            self._forget_state(turn.state)  # the conversation moved on; nothing else names that state
+        if done == 1:
+            self._forget_state(turn.state)  # no conversation names it any more
         turn.state = key
         self._bound()
 
@@ -217,6 +237,14 @@ class RedisSessionStore:
         if s.state is None:
             s.no_state = "the conversation's state is no longer in the state store (evicted or expired)"
 
+    def _forget_unnamed(self, key: StateKey | None) -> None:
+        """A state this turn stored but could not name in its record: gone unless a record names it."""
+        try:
+            if key is not None and not self.client.hexists(self.refs_key, _ref(key)):
+                self._forget_state(key)
+        except self._errors as e:
+            log.warning("unnamed conversation state %s not deleted: %s", key, e)
+
     def _forget_state(self, key: StateKey) -> None:
         try:
             self.states.delete(key)
@@ -230,8 +258,9 @@ class RedisSessionStore:
             for member, _ in self.client.zpopmin(self.lru_key, extra) if extra > 0 else []:
                 raw = self.client.getdel(member)
                 st = json.loads(raw)["state"] if raw else None
-                if st:
-                    self._forget_state(StateKey(st["tenant"], st["content_hash"], st["model_hash"]))
+                key = None if st is None else StateKey(st["tenant"], st["content_hash"], st["model_hash"])
+                if key is not None and self._unref(keys=[self.refs_key], args=[_ref(key)]):
+                    self._forget_state(key)
         except (*self._errors, ValueError, KeyError, TypeError) as e:
             log.warning("conversation bound not applied: %s", e)
 
@@ -245,6 +274,10 @@ class RedisSessionStore:
                     self._renew(keys=[lock], args=[token, self.lock_ms])
                 except self._errors as e:
                     log.warning("conversation lock %s not renewed: %s", lock, e)
+
+
+def _ref(key: StateKey | None) -> str:
+    return "" if key is None else f"{key.tenant}:{key.content_hash}:{key.model_hash}"
 
 
 def redis_tier(store: StateStore) -> RedisStore | None:
