@@ -10,6 +10,7 @@ non-negative coefficients, so a prediction never goes below the fixed overhead a
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +58,23 @@ class CostModel:
 
     @staticmethod
     def from_json(d: dict) -> CostModel:
-        return CostModel(d["coeffs"], [(int(n), dict(x)) for n, x in d.get("samples", [])])
+        """A stored cost model, checked: three finite coefficients per component, samples of (tokens, seconds)."""
+        coeffs, samples = d["coeffs"], d.get("samples", [])
+        if not isinstance(coeffs, dict) or not isinstance(samples, list):
+            raise ValueError("coeffs must be an object and samples a list")
+        for c, v in coeffs.items():
+            if not isinstance(v, list) or len(v) != 3 or not all(_finite(x) for x in v):
+                raise ValueError(f"component {c!r} needs three finite coefficients")
+        out = []
+        for n, x in samples:
+            if type(n) is not int or not isinstance(x, dict) or not all(_finite(t) for t in x.values()):
+                raise ValueError("a sample is [tokens, {component: seconds}]")
+            out.append((n, dict(x)))
+        return CostModel({c: [float(a) for a in v] for c, v in coeffs.items()}, out)
+
+
+def _finite(x) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
 
 
 @dataclass
@@ -124,14 +141,27 @@ class Profile:
         if not path.exists():
             return Profile()
         try:
-            d = json.loads(path.read_text())
+            data = path.read_bytes()
+        except OSError as e:
+            raise UsageError(f"cost profile {path} is unreadable ({e}); rerun `ctxrelay profile`") from None
+        return Profile.from_json_bytes(data, str(path))
+
+    @staticmethod
+    def from_json_bytes(data: bytes, what: str = "cost profile") -> Profile:
+        """A profile.json's content; anything but a well-formed profile is one UsageError."""
+        try:
+            d = json.loads(data.decode("utf-8"))
+            sections = ("native", "edges", "machine")
+            if not isinstance(d, dict) or not all(isinstance(d.get(k, {}), dict) for k in sections):
+                raise ValueError("native, edges and machine must be JSON objects")
             return Profile(
                 {k: CostModel.from_json(v) for k, v in d.get("native", {}).items()},
                 {k: CostModel.from_json(v) for k, v in d.get("edges", {}).items()},
                 d.get("machine", {}),
             )
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise UsageError(f"cost profile {path} is unreadable ({e}); rerun `ctxrelay profile`") from None
+        except (KeyError, TypeError, ValueError, RecursionError, OverflowError) as e:  # JSON and Unicode errors too
+            msg = str(e)[:200]
+            raise UsageError(f"cost profile {what} is unreadable ({msg}); rerun `ctxrelay profile`") from None
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
