@@ -4,6 +4,9 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("CTXRELAY_TEST_THREADS", "2")))
+# one store owner for the whole suite, whatever CTXRELAY_CACHE a test points at (seal.py); the
+# reliability tests that need their own key file take the `own_cache` fixture
+os.environ.setdefault("CTXRELAY_STORE_SECRET", "ctxrelay-test-suite")
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 
@@ -60,3 +63,11 @@ def zero_artifact(sender, receiver):
         maps.to_tensors(),
         pair_params(sender, receiver, sources, method="zero", pairing="ta"),
     )
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A fresh cache for one test, so its store key (seal.py) and states are its own."""
+    monkeypatch.setenv("CTXRELAY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CTXRELAY_STORE_SECRET", raising=False)
+    return tmp_path / "cache"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -22,10 +23,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ctxrelay import seal
 from ctxrelay.errors import CtxrelayError
 from ctxrelay.models.spec import LoadedModel, hash_state_dict, wrap
 from ctxrelay.paths import cache_dir
 
+log = logging.getLogger("ctxrelay.zoo")
 CONVERSION_VERSION = 1  # bump when the conversion changes what lands in the cache
 
 
@@ -223,6 +226,7 @@ def pull(name: str, install: bool = True, force: bool = False) -> Path:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _record(final, weights_signature(final), whash)  # what was just written was just hashed
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -261,10 +265,14 @@ def load(name_or_path: str | Path, dtype: torch.dtype = torch.float32, pull_miss
             pull(key)
         d = model_dir(key)
         manifest = json.loads((d / "ctxrelay.json").read_text())
+        before = weights_signature(d)
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
         tok = AutoTokenizer.from_pretrained(d)
-        whash = manifest["weights_hash"] if dtype == torch.float32 else None
-        return wrap(hf, tok, key, whash)
+        whash, note = verified_hash(d, hf, manifest, before) if dtype == torch.float32 else (None, "")
+        m = wrap(hf, tok, key, whash)
+        if note:
+            m.extra["weights_note"] = note
+        return m
     path = Path(key).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         hf, tok = _load_gguf(path)
@@ -276,6 +284,62 @@ def load(name_or_path: str | Path, dtype: torch.dtype = torch.float32, pull_miss
     raise ZooError(
         f"cannot load {key!r}: not a zoo name ({', '.join(ZOO)}), a directory with config.json, or a .gguf file"
     )
+
+
+# ---- what is loaded is what is hashed ------------------------------------------------------------
+
+VERIFIED = "ctxrelay.verified.json"
+
+
+def weights_signature(d: Path) -> list[list]:
+    """Name, size, inode, mtime and ctime of each weight file: any replacement or edit changes it
+    (ctime cannot be set back by a user)."""
+    sig = []
+    for p in sorted(d.glob("*.safetensors")):
+        st = p.stat()
+        sig.append([p.name, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns])
+    return sig
+
+
+def _record(d: Path, signature: list, weights_hash: str) -> None:
+    rec = seal.sealed({"signature": signature, "weights_hash": weights_hash})
+    tmp = d / f".{VERIFIED}.tmp"
+    tmp.write_text(json.dumps(rec))
+    os.replace(tmp, d / VERIFIED)
+
+
+def _recorded(d: Path, signature: list) -> str | None:
+    """The weights hash recorded for exactly these files, under this owner's seal (else None)."""
+    try:
+        rec = json.loads((d / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or seal.verify(rec) or rec.get("signature") != signature:
+        return None
+    return rec.get("weights_hash")
+
+
+def verified_hash(d: Path, hf, manifest: dict, before: list) -> tuple[str, str]:
+    """The weights hash of the model as loaded, and a note when it is not the one the manifest records.
+
+    The state dict is hashed unless a sealed record says these very files (same signature before and
+    after the load) were hashed already, so a checkpoint swapped under the cache gets its own hash:
+    artifacts and states bound to the original are then refused, not silently misapplied."""
+    after = weights_signature(d)
+    whash = _recorded(d, after) if after == before else None
+    if whash is None:
+        whash = hash_state_dict(hf)
+        if after == before:
+            _record(d, after, whash)
+    if whash != manifest.get("weights_hash"):
+        note = (
+            f"the weights in {d} (hash {whash[:12]}) are not the checkpoint the cache's manifest records "
+            f"({str(manifest.get('weights_hash'))[:12]}): artifacts calibrated for it will not be used; "
+            f"`ctxrelay zoo pull {d.name} --force` restores it"
+        )
+        log.warning(note)
+        return whash, note
+    return whash, ""
 
 
 def status_rows() -> list[dict]:

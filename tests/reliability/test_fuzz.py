@@ -6,6 +6,7 @@ import pytest
 from ctxrelay.bench import fuzz
 
 CASES = 250
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 @pytest.mark.parametrize("name", sorted(fuzz.targets()))
@@ -15,6 +16,9 @@ def test_damaged_files_are_refused_by_name_never_crash(name):
     assert tally.bad == 0, tally.examples
     assert tally.outcomes["refused"] > CASES // 2  # most damage is caught, not absorbed
     expected = {"truncate", "bitflip", "garbage", "splice"}
-    expected |= {"huge_header", "huge_offsets", "edit_binding", "foreign_seal", "owner_sealed_malformed"} if (
-        fuzz.targets()[name].tensor_file) else {"json_edit"}
+    expected |= (
+        {"huge_header", "huge_offsets", "edit_binding", "foreign_seal", "owner_sealed_malformed"}
+        if (fuzz.targets()[name].tensor_file)
+        else {"json_edit"}
+    )
     assert set(tally.kinds) == expected

@@ -14,6 +14,8 @@ from ctxrelay.bench.fuzz import _edit_manifest, sample_artifact, sample_state
 from ctxrelay.relay.store import DiskStore, MemoryStore, StateKey, StoreUnavailable
 from ctxrelay.state import ContextState
 
+pytestmark = pytest.mark.usefixtures("own_cache")
+
 
 def test_key_file_is_created_private_and_reused(own_cache):
     first = seal.secret()

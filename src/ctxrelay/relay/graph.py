@@ -175,6 +175,25 @@ class Profile:
         tmp.replace(path)
 
 
+def _not_in_pool(art: Artifact, nodes: dict[str, Node], swapped: dict[str, str]) -> str:
+    """Why an artifact's models are not the pool's: absent, or loaded with other weights under the same
+    name (recorded in `swapped` by the loaded model's hash)."""
+    why = []
+    for role, b in (("sender", art.sender), ("receiver", art.receiver)):
+        if b["weights_hash"] in nodes:
+            continue
+        other = next((n for n in nodes.values() if n.name == b["name"]), None)
+        if other is None:
+            why.append(b["name"])
+            continue
+        why.append(
+            f"{art.transport} artifact's {role} {b['name']} has weights {b['weights_hash'][:12]}, the loaded "
+            f"{b['name']} has {other.weights_hash[:12]}: a different checkpoint"
+        )
+        swapped[other.weights_hash] = why[-1]
+    return "calibrated for model versions not in the pool (" + "; ".join(why) + ")"
+
+
 def _with_points(edge: Edge, t, profile: Profile) -> Edge:
     """The transport's operating points for this edge, each with its measured cost model."""
     for p in t.operating_points(edge.params, edge.quality):
@@ -189,6 +208,8 @@ class TransportGraph:
     nodes: dict[str, Node]  # weights hash -> node
     edges: list[Edge]
     skipped: list[str] = field(default_factory=list)  # artifacts found but not usable, with why
+    # loaded weights hash -> why an artifact calibrated for another checkpoint of that model was refused
+    swapped: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
     def build(
@@ -201,7 +222,7 @@ class TransportGraph:
             )
             for m in models
         }
-        edges, skipped = [], []
+        edges, skipped, swapped = [], [], {}
         for path in sorted({p for d in artifact_dirs if d.exists() for p in d.glob("*.safetensors")}):
             try:
                 art = load(path)
@@ -211,8 +232,7 @@ class TransportGraph:
                 continue
             s, r = art.sender["weights_hash"], art.receiver["weights_hash"]
             if s not in nodes or r not in nodes:
-                missing = [b["name"] for b, h in ((art.sender, s), (art.receiver, r)) if h not in nodes]
-                skipped.append(f"{path.name}: calibrated for model versions not in the pool ({', '.join(missing)})")
+                skipped.append(f"{path.name}: {_not_in_pool(art, nodes, swapped)}")
                 continue
             edge = Edge(art.transport, art.sender, art.receiver, path, art.quality, art.params, exact=t.exact)
             edges.append(_with_points(edge, t, profile))
@@ -222,7 +242,7 @@ class TransportGraph:
                     if t.implicit_edge(a.spec, b.spec):
                         edge = Edge(t.name, model_binding(a), model_binding(b), None, {}, {}, exact=t.exact)
                         edges.append(_with_points(edge, t, profile))
-        return TransportGraph(nodes, edges, skipped)
+        return TransportGraph(nodes, edges, skipped, swapped)
 
     def edges_between(self, sender_hash: str, receiver_hash: str) -> list[Edge]:
         return [
