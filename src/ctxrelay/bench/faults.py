@@ -46,15 +46,24 @@ def make_state(text: str, tenant: str = "acme", tokens: int = 64, meta: dict | N
     )
 
 
+@dataclass
+class Hits:
+    n: int = 0  # faults raised
+
+
 @contextmanager
-def os_fault(stage: str, err: int) -> Iterator[None]:
-    """Within the block, every tensorfile write fails at `stage` with OSError(err)."""
+def os_fault(stage: str, err: int) -> Iterator[Hits]:
+    """Within the block, every tensorfile write fails at `stage` with OSError(err); counts the failures."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}")
-    fail = OSError(err, os.strerror(err))
+    hits = Hits()
+
+    def fail() -> OSError:
+        hits.n += 1
+        return OSError(err, os.strerror(err))
 
     def raise_(*a, **k):
-        raise fail
+        raise fail()
 
     real_fdopen = os.fdopen
 
@@ -65,7 +74,7 @@ def os_fault(stage: str, err: int) -> Iterator[None]:
         def write(self, data):
             self.f.write(data[: len(data) // 2])
             self.f.flush()
-            raise fail
+            raise fail()
 
         def __getattr__(self, name):
             return getattr(self.f, name)
@@ -83,7 +92,7 @@ def os_fault(stage: str, err: int) -> Iterator[None]:
         "replace": mock.patch.object(tensorfile.os, "replace", raise_),
     }
     with patches[stage]:
-        yield
+        yield hits
 
 
 @dataclass

@@ -281,11 +281,17 @@ class DiskStore(StateStore):
 class RedisStore(StateStore):
     name = "redis"
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "ctxrelay:state", ttl_s: int | None = None):
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        prefix: str = "ctxrelay:state",
+        ttl_s: int | None = None,
+        timeout_s: float = 2.0,
+    ):
         import redis
 
         self._redis_errors = (redis.exceptions.RedisError, OSError)
-        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.prefix, self.ttl_s = prefix, ttl_s
 
     def _k(self, key: StateKey) -> str:
