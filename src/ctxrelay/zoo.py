@@ -273,7 +273,7 @@ def load(name_or_path: str | Path, dtype: torch.dtype = torch.float32, pull_miss
         if note:
             m.extra["weights_note"] = note
         return m
-    path = Path(key).expanduser()
+    path = Path(check_source(key))
     if path.is_file() and path.suffix == ".gguf":
         hf, tok = _load_gguf(path)
         return wrap(hf.to(dtype), tok, path.stem)
@@ -281,6 +281,17 @@ def load(name_or_path: str | Path, dtype: torch.dtype = torch.float32, pull_miss
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tok = AutoTokenizer.from_pretrained(path)
         return wrap(hf, tok, path.name)
+    raise AssertionError("check_source admits only zoo names, model directories and GGUF files")
+
+
+def check_source(name: str | Path) -> str:
+    """A zoo name, or the path of a model directory (with config.json) or GGUF file; else a ZooError."""
+    key = str(name)
+    if key in ZOO:
+        return key
+    path = Path(key).expanduser()
+    if (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").exists()):
+        return str(path)
     raise ZooError(
         f"cannot load {key!r}: not a zoo name ({', '.join(ZOO)}), a directory with config.json, or a .gguf file"
     )

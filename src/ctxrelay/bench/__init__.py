@@ -17,6 +17,7 @@ BENCHES = {
     "heterofold-limits": "ctxrelay.bench.heterofold_limits",
     "decode": "ctxrelay.bench.decode",
     "heterofold-frontier": "ctxrelay.bench.heterofold_frontier",
+    "reliability": "ctxrelay.bench.reliability",
 }
 
 

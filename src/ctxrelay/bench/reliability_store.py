@@ -189,7 +189,7 @@ def disk_faults(pool: ModelPool, model: str, root: Path) -> Count:
         for fault, err in faults.ERRORS.items():
             for stage in faults.STAGES:
                 c.cases += 1
-                where = root / f"{fault}-{stage}"
+                where = root / "disk-faults" / f"{fault}-{stage}"
                 pool.store = DiskStore(where)
                 old, new = f"{fault} {stage} old. {BASE_TEXT}", f"{fault} {stage} new. {BASE_TEXT}"
                 req.prefill(old, "acme")
@@ -206,7 +206,7 @@ def disk_faults(pool: ModelPool, model: str, root: Path) -> Count:
                     c.fail(f"{fault} at {stage}: served {served_new} / {served_old}")
     finally:
         pool.store = kept
-    c.details = {"kinds": sorted(faults.ERRORS), "stages": list(faults.STAGES), "served": req.reasons}
+    c.details = {"kinds": [f"disk {k}" for k in faults.ERRORS], "stages": list(faults.STAGES), "served": req.reasons}
     return c
 
 
@@ -235,14 +235,14 @@ def tampered_entries(pool: ModelPool, model: str, root: Path, cases: int = 6) ->
                 c.fail("the owner's entry was not served")
     finally:
         pool.store = kept
-    c.details = {"served": req.reasons}
+    c.details = {"kinds": ["entry edited to claim another tenant"], "served": req.reasons}
     return c
 
 
 def sigkill_mid_write(root: Path, kills: int = 20) -> Count:
     rep = faults.kill_mid_write(root, kills=kills)
     c = Count(cases=rep.kills, faults_injected=rep.kills, entries_lost=rep.lost, entries_corrupt=rep.corrupt)
-    c.details = rep.as_dict()
+    c.details = {"kinds": ["SIGKILL mid-write"], **rep.as_dict()}
     return c
 
 
@@ -342,6 +342,9 @@ def redis_server(root: Path) -> Iterator[tuple[subprocess.Popen, str] | None]:
         proc.wait()
 
 
+REDIS_FAULTS = ("maxmemory", "slowed", "slowed_past_timeout", "paused", "killed")
+
+
 def redis_faults(pool: ModelPool, model: str, root: Path) -> Count:
     """Redis at maxmemory, slowed, paused (SIGSTOP) and killed under live requests: each request is
     served (native with the store's reason where Redis cannot answer), nothing wrong is answered."""
@@ -377,7 +380,7 @@ def redis_faults(pool: ModelPool, model: str, root: Path) -> Count:
             proc.wait()
             served["killed"] = req.ask(text, "acme")
             req.prefill(f"while dead. {BASE_TEXT}", "acme")
-            c.faults_injected = sum(k not in ("healthy", "resumed", "maxmemory_read") for k in served)
+            c.faults_injected = sum(k in REDIS_FAULTS for k in served)
             c.cases = len(served)
             want = {"healthy": "found", "maxmemory": "missing", "maxmemory_read": "found", "slowed": "found",
                     "resumed": "found",
@@ -387,7 +390,8 @@ def redis_faults(pool: ModelPool, model: str, root: Path) -> Count:
                     c.fail(f"redis {k}: served by {v}, expected {want[k]}")
         finally:
             pool.store = kept
-        c.details = {"served": served, "reasons": req.reasons}
+        c.details = {"kinds": [f"redis {k}" for k in REDIS_FAULTS if k in served], "served": served,
+                     "reasons": req.reasons}  # fmt: skip
     return c
 
 
