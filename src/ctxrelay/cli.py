@@ -287,6 +287,17 @@ def serve(
     run_server(pool, settings, host, port, graceful)
 
 
+@app.command()
+@user_errors
+def seal(paths: list[str] = typer.Argument(..., help="states or artifacts to vouch for")) -> None:
+    """Seal files you trust with this store owner's secret (files written before seals existed, e.g.
+    artifacts in the cache: they are refused until sealed). Each is checked (layout, checksum) first."""
+    from ctxrelay import tensorfile
+
+    for p in paths:
+        console.print(f"[green]sealed:[/] {tensorfile.reseal(p)}")
+
+
 def _print_graph(pool, tokens: int) -> None:
     g = pool.graph
     nodes = Table(title="nodes (model versions)")

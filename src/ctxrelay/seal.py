@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
@@ -25,6 +26,7 @@ from ctxrelay.errors import CtxrelayError
 ENV = "CTXRELAY_STORE_SECRET"
 KEY_FILE = "store.key"
 ALG = "hmac-sha256-v1"
+_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class SecretError(CtxrelayError, PermissionError):
@@ -104,7 +106,8 @@ def verify(manifest: dict) -> str:
     seal = manifest.get("seal")
     if seal is None:
         return "unsealed"
-    if not isinstance(seal, dict) or seal.get("alg") != ALG or not isinstance(seal.get("mac"), str):
+    given = seal.get("mac") if isinstance(seal, dict) else None
+    if not isinstance(given, str) or not _HEX.fullmatch(given) or seal.get("alg") != ALG:
         return f"its seal is not a {ALG} seal"
     if not hmac.compare_digest(seal["mac"], mac(manifest)):
         return (
