@@ -19,6 +19,7 @@ OPTIONS = {"fuzz_cases": 1000, "tenant_cases": 300, "kills": 25, "contexts": 300
 BAR = {"fuzz_cases_per_deserializer": 1000, "fault_kinds": 5, "sigkill_repeats": 20}
 FUZZ_CATEGORY = "fuzz: "
 TOTALS = ("cases", "faults_injected", "requests", "requests_failed", "entries_lost", "entries_corrupt", "unhandled")
+COLUMNS = TOTALS  # the README table's columns
 
 
 def run(options: dict | None = None, root: Path | None = None) -> list[dict]:
@@ -87,6 +88,17 @@ def summary(rows: list[dict]) -> dict:
     return {"totals": totals, "fault_kinds": sorted(kinds), "bar": BAR, "measured": checks, "bar_met": met}
 
 
+def table(doc: dict) -> str:
+    """The README's reliability table, from a results file: one row per category and the totals."""
+    from ctxrelay.bench.results import markdown_table
+
+    head = ["category", "cases tried", "faults injected", "requests made", "requests failed",
+            "entries lost", "entries corrupt", "unhandled"]  # fmt: skip
+    rows = [[r["category"], *(str(r[k]) for k in COLUMNS)] for r in doc["rows"]]
+    rows.append(["**total**", *(f"**{doc['totals'][k]}**" for k in COLUMNS)])
+    return "\n".join(markdown_table(head, rows))
+
+
 def bench(
     model: str = "",
     sender: str = "",
@@ -97,7 +109,7 @@ def bench(
     options: dict | None = None,
     command: str = "",
 ) -> Path:
-    from ctxrelay.bench.results import write_results
+    from ctxrelay.bench.results import read_results, write_results
 
     unknown = sorted(set(options or {}) - set(OPTIONS))
     if unknown:
@@ -108,4 +120,6 @@ def bench(
     opts = {**OPTIONS, **(options or {})}
     rows = run(opts)
     extra = {"options": opts, **summary(rows)}
-    return write_results(out, rows, command or "ctxrelay bench reliability", extra)
+    path = write_results(out, rows, command or "ctxrelay bench reliability", extra)
+    print(table(read_results(path)))
+    return path
