@@ -58,7 +58,7 @@ class ContextState:
         return content_hash(self.text)
 
     def has(self, part: str) -> bool:
-        """"kv" (pre-RoPE keys and values) or the name of a transport's part."""
+        """ "kv" (pre-RoPE keys and values) or the name of a transport's part."""
         if part == "kv":
             return self.keys_pre_rope is not None and self.values is not None
         return bool(self.parts.get(part))

@@ -8,7 +8,7 @@ from ctxrelay.bench.reliability import TOTALS
 
 def test_bench_writes_counted_totals(tmp_path, monkeypatch):
     monkeypatch.setenv("CTXRELAY_RESULTS_DIR", str(tmp_path))
-    opts = {"fuzz_cases": 20, "tenant_cases": 10, "kills": 2, "contexts": 40, "cli_cases": 1}
+    opts = {"fuzz_cases": 20, "tenant_cases": 10, "kills": 2, "contexts": 40, "cli_cases": 0}
     path = bench_module("reliability").bench(options=opts, command="ctxrelay bench reliability (test)")
     doc = json.loads(path.read_text())
     rows = doc["rows"]

@@ -10,7 +10,7 @@ import torch
 
 from ctxrelay import seal, tensorfile
 from ctxrelay.artifact import Artifact
-from ctxrelay.bench.fuzz import _edit_manifest, sample_artifact, sample_state
+from ctxrelay.bench.fuzz import edit_manifest, sample_artifact, sample_state
 from ctxrelay.relay.store import DiskStore, MemoryStore, StateKey, StoreUnavailable
 from ctxrelay.state import ContextState
 
@@ -39,7 +39,7 @@ def test_env_secret_wins_and_other_owners_cannot_read(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("field,value", [("tenant", "globex"), ("weights_hash", "f" * 64), ("model_name", "big")])
 def test_edited_binding_is_refused(field, value):
-    data = _edit_manifest(sample_state().to_bytes(), lambda m: m["binding"].update({field: value}))
+    data = edit_manifest(sample_state().to_bytes(), lambda m: m["binding"].update({field: value}))
     with pytest.raises(tensorfile.SealError, match="seal does not match"):
         ContextState.from_bytes(data)
 
@@ -47,14 +47,14 @@ def test_edited_binding_is_refused(field, value):
 def test_stripped_seal_is_refused_for_states_and_artifacts(tmp_path):
     strip = lambda m: m.pop("seal")
     with pytest.raises(tensorfile.SealError, match="unsealed"):
-        ContextState.from_bytes(_edit_manifest(sample_state().to_bytes(), strip))
+        ContextState.from_bytes(edit_manifest(sample_state().to_bytes(), strip))
     path = sample_artifact().save(tmp_path / "a.safetensors")
-    path.write_bytes(_edit_manifest(path.read_bytes(), strip))
+    path.write_bytes(edit_manifest(path.read_bytes(), strip))
     with pytest.raises(tensorfile.SealError, match="unsealed"):
         Artifact.load(path)
     # a work file written before seals existed is still read (it binds nobody)
     work = tmp_path / "w.safetensors"
-    work.write_bytes(_edit_manifest(tensorfile.to_bytes({"x": torch.ones(2)}, {"kind": "w"}), strip))
+    work.write_bytes(edit_manifest(tensorfile.to_bytes({"x": torch.ones(2)}, {"kind": "w"}), strip))
     assert tensorfile.read(work)[1]["kind"] == "w"
 
 
@@ -65,7 +65,7 @@ def test_disk_store_entry_edited_to_another_tenant_is_never_served(tmp_path):
     path = store._path(key)
     forged_path = tmp_path / "disk" / "globex" / path.name  # moved into globex's folder, tenant edited
     forged_path.parent.mkdir(parents=True)
-    forged_path.write_bytes(_edit_manifest(path.read_bytes(), lambda m: m["binding"].update(tenant="globex")))
+    forged_path.write_bytes(edit_manifest(path.read_bytes(), lambda m: m["binding"].update(tenant="globex")))
     with pytest.raises(StoreUnavailable, match="seal"):
         store.get(StateKey("globex", key.content_hash, key.model_hash), "globex")
     assert store.get(key, "acme").binding.tenant == "acme"  # the owner's own entry is untouched
@@ -81,7 +81,7 @@ def test_memory_store_entries_are_sealed():
 
 def test_reseal_vouches_for_an_unsealed_artifact(tmp_path):
     path = sample_artifact().save(tmp_path / "a.safetensors")
-    path.write_bytes(_edit_manifest(path.read_bytes(), lambda m: m.pop("seal")))
+    path.write_bytes(edit_manifest(path.read_bytes(), lambda m: m.pop("seal")))
     with pytest.raises(tensorfile.SealError):
         Artifact.load(path)
     tensorfile.reseal(path)
@@ -96,6 +96,6 @@ def test_reseal_vouches_for_an_unsealed_artifact(tmp_path):
 @pytest.mark.parametrize("mac", ["é" * 64, "A" * 64, 7, "0" * 63])
 def test_a_malformed_seal_is_refused_not_a_crash(mac):
     # found by the bench's fuzzing: a spliced non-ASCII mac made hmac.compare_digest raise TypeError
-    data = _edit_manifest(sample_state().to_bytes(), lambda m: m["seal"].update(mac=mac))
+    data = edit_manifest(sample_state().to_bytes(), lambda m: m["seal"].update(mac=mac))
     with pytest.raises(tensorfile.SealError, match="not a hmac"):
         ContextState.from_bytes(data)

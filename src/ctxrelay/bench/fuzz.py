@@ -29,9 +29,10 @@ from hypothesis import strategies as st
 
 from ctxrelay import seal, tensorfile
 from ctxrelay.artifact import Artifact
+from ctxrelay.bench.faults import make_state
 from ctxrelay.errors import CtxrelayError
 from ctxrelay.relay.graph import CostModel, Profile
-from ctxrelay.state import Binding, ContextState
+from ctxrelay.state import ContextState
 
 GOOD = ("refused", "intact", "accepted")
 JSON = st.recursive(
@@ -67,17 +68,10 @@ class Tally:
 # ---- the valid files ----------------------------------------------------------------------------
 
 
-def sample_state(tenant: str = "acme", n: int = 6) -> ContextState:
-    g = torch.Generator().manual_seed(n)
-    s = ContextState(
-        text="a shared context " * 2,
-        tokens=torch.arange(n),
-        offsets=torch.stack([torch.arange(n), torch.arange(n) + 1], 1),
-        binding=Binding("tiny-llama", "a" * 64, "b" * 64, tenant),
-        keys_pre_rope=torch.randn(2, n, 2, 4, generator=g),
-        values=torch.randn(2, n, 2, 4, generator=g),
-    )
-    s.set_part("maps", {"w": torch.randn(3, 3, generator=g)}, {"layers": [0, 1]})
+def sample_state(tenant: str = "acme") -> ContextState:
+    """A small state with keys, values and a transport part."""
+    s = make_state("a shared context " * 2, tenant, tokens=6)
+    s.set_part("maps", {"w": torch.randn(3, 3, generator=torch.Generator().manual_seed(0))}, {"layers": [0, 1]})
     return s
 
 
@@ -166,7 +160,8 @@ def _join(header: dict, body: bytes) -> bytes:
     return struct.pack("<Q", len(h)) + h + body
 
 
-def _edit_manifest(data: bytes, edit: Callable[[dict], None]) -> bytes:
+def edit_manifest(data: bytes, edit: Callable[[dict], None]) -> bytes:
+    """The file with its manifest changed by `edit` and nothing else (the seal is left as it was)."""
     header, body = _split(data)
     m = json.loads(header["__metadata__"][tensorfile.MANIFEST_KEY])
     edit(m)
@@ -211,9 +206,9 @@ def damaged(draw, target: Target) -> tuple[str, bytes, bool]:
     if kind in ("edit_binding", "foreign_seal"):
         field_path = draw(st.sampled_from(_identity_fields(target.name)))
         value = draw(st.text(min_size=1, max_size=12))
-        out = _edit_manifest(data, lambda m: _set(m, field_path, value))
+        out = edit_manifest(data, lambda m: _set(m, field_path, value))
         if kind == "foreign_seal":  # edited and sealed again, with a secret that is not the owner's
-            out = _edit_manifest(out, lambda m: m.update(seal=_foreign_seal(m)))
+            out = edit_manifest(out, lambda m: m.update(seal=_foreign_seal(m)))
         return kind, out, False
     return kind, _owner_sealed_malformed(draw, target), True
 

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ctxrelay.bench import faults
+from ctxrelay.bench.fuzz import edit_manifest
 from ctxrelay.errors import BindingError, CtxrelayError
 from ctxrelay.relay.api import ModelPool
 from ctxrelay.relay.store import DiskStore, MemoryStore, RedisStore, StateKey, StateStore, StoreFull, TieredStore
@@ -192,6 +193,7 @@ def disk_faults(pool: ModelPool, model: str, root: Path) -> Count:
                 where = root / "disk-faults" / f"{fault}-{stage}"
                 pool.store = DiskStore(where)
                 old, new = f"{fault} {stage} old. {BASE_TEXT}", f"{fault} {stage} new. {BASE_TEXT}"
+                old_key = StateKey.of(pool.prefill(model, old, "acme", store=False))
                 req.prefill(old, "acme")
                 with faults.os_fault(stage, err) as hits:
                     req.prefill(new, "acme")  # cannot be stored: the request still gets its state
@@ -200,8 +202,7 @@ def disk_faults(pool: ModelPool, model: str, root: Path) -> Count:
                 c.faults_injected += hits.n
                 a = faults.audit(where)
                 c.entries_corrupt += a.corrupt + a.debris
-                c.entries_lost += DiskStore(where).get(StateKey.of(pool.prefill(model, old, "acme", store=False)),
-                                                       "acme") is None  # fmt: skip
+                c.entries_lost += DiskStore(where).get(old_key, "acme") is None
                 if served_new != "missing" or served_old != "found":
                     c.fail(f"{fault} at {stage}: served {served_new} / {served_old}")
     finally:
@@ -212,8 +213,6 @@ def disk_faults(pool: ModelPool, model: str, root: Path) -> Count:
 
 def tampered_entries(pool: ModelPool, model: str, root: Path, cases: int = 6) -> Count:
     """A disk entry edited to claim another tenant or model: never served, the request goes native."""
-    from ctxrelay.bench.fuzz import _edit_manifest
-
     c = Count()
     req = Requests(pool, model, c)
     kept = pool.store
@@ -227,7 +226,7 @@ def tampered_entries(pool: ModelPool, model: str, root: Path, cases: int = 6) ->
             path = store._path(key)
             forged = store._path(StateKey("globex", key.content_hash, key.model_hash))
             forged.parent.mkdir(parents=True, exist_ok=True)
-            forged.write_bytes(_edit_manifest(path.read_bytes(), lambda m: m["binding"].update(tenant="globex")))
+            forged.write_bytes(edit_manifest(path.read_bytes(), lambda m: m["binding"].update(tenant="globex")))
             c.faults_injected += 1
             if req.ask(text, "globex") != "unavailable":
                 c.fail("a forged entry was served")
@@ -300,8 +299,6 @@ def memory_budget(contexts: int = 300, budget_states: int = 12, seed: int = 0) -
 @contextmanager
 def _pins(store: MemoryStore) -> Iterator:
     """`pin(key)` holds `store.using(key)` (a request in flight) until the block ends."""
-    from contextlib import ExitStack
-
     with ExitStack() as stack:
 
         def pin(key: StateKey) -> None:
