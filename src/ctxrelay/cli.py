@@ -263,6 +263,12 @@ def serve(
     max_state_mb: int = typer.Option(
         4096, envvar="CTXRELAY_MAX_STATE_MB", help="MiB of conversation states held; past it LRU states go"
     ),
+    sessions: str = typer.Option(
+        "auto", envvar="CTXRELAY_SESSIONS", help="auto (redis if --store has redis) | memory | redis://..."
+    ),
+    session_lock_ttl: float = typer.Option(
+        30.0, envvar="CTXRELAY_SESSION_LOCK_TTL", help="seconds a killed process can keep a Redis conversation locked"
+    ),
     max_tokens: int = typer.Option(1024, envvar="CTXRELAY_MAX_TOKENS", help="largest max_tokens a request may ask"),
     graceful: float = typer.Option(30.0, envvar="CTXRELAY_GRACEFUL_S", help="seconds in-flight requests get at exit"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
@@ -282,7 +288,7 @@ def serve(
     limits = Limits(default_max_tokens=min(64, max_tokens), max_tokens=max_tokens)
     settings = Settings(
         keys=digests, max_queue=max_queue, request_timeout_s=request_timeout, max_sessions=max_sessions,
-        max_state_bytes=max_state_mb << 20, limits=limits,
+        max_state_bytes=max_state_mb << 20, limits=limits, sessions=sessions, session_lock_ttl_s=session_lock_ttl,
     )  # fmt: skip
     run_server(pool, settings, host, port, graceful)
 

@@ -106,14 +106,18 @@ def _manifest_path(name: str) -> Path:
     return model_dir(name) / "ctxrelay.json"
 
 
-def is_pulled(name: str) -> bool:
-    p = _manifest_path(name)
-    if not p.exists():
-        return False
+def _manifest(name: str) -> dict | None:
+    """The cache's manifest of a zoo model, or None where it is missing or unreadable (pull again)."""
     try:
-        return json.loads(p.read_text()).get("conversion_version") == CONVERSION_VERSION
-    except (OSError, json.JSONDecodeError):
-        return False
+        m = json.loads(_manifest_path(name).read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) else None
+
+
+def is_pulled(name: str) -> bool:
+    m = _manifest(name)
+    return m is not None and m.get("conversion_version") == CONVERSION_VERSION
 
 
 def _entry(name: str) -> ZooEntry:
@@ -264,7 +268,7 @@ def load(name_or_path: str | Path, dtype: torch.dtype = torch.float32, pull_miss
                 raise ZooError(f"{key} is not in the cache; run `ctxrelay zoo pull {key}`")
             pull(key)
         d = model_dir(key)
-        manifest = json.loads((d / "ctxrelay.json").read_text())
+        manifest = _manifest(key) or {}
         before = weights_signature(d)
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
         tok = AutoTokenizer.from_pretrained(d)
@@ -313,10 +317,15 @@ def weights_signature(d: Path) -> list[list]:
 
 
 def _record(d: Path, signature: list, weights_hash: str) -> None:
+    """Remember the hash of these files (a read-only cache just hashes on every load)."""
     rec = seal.sealed({"signature": signature, "weights_hash": weights_hash})
-    tmp = d / f".{VERIFIED}.tmp"
-    tmp.write_text(json.dumps(rec))
-    os.replace(tmp, d / VERIFIED)
+    tmp = d / f".{VERIFIED}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, d / VERIFIED)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log.warning("cannot record the weights hash in %s (%s); it is computed on every load", d, e)
 
 
 def _recorded(d: Path, signature: list) -> str | None:

@@ -47,12 +47,12 @@ def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path, capsys):
     assert gate["requests"] == 3 and gate["points"] == {"native": 3} and gate["needle_cases"] == 2
     assert path.with_suffix(".png").exists()
     # the report phase measures nothing: it prints the run's three tables and redraws the plot
-    assert capsys.readouterr().out.count("\n|---") == 3  # the measuring run printed its tables too
+    assert capsys.readouterr().out.count("\n|---") == 4  # the measuring run printed its tables too
     path.with_suffix(".png").unlink()
     assert hf.bench(sender="S", receiver="R", options={"phase": "report"}) == path.with_suffix(".png")
     report = capsys.readouterr().out
     assert "| S -> R | 160 | lexical | 0.50 |" in report and "| S -> R | 160 | 3 | native x3 | " in report
-    assert report.count("\n|---") == 3 and path.with_suffix(".png").exists()
+    assert report.count("\n|---") == 4 and path.with_suffix(".png").exists()
     # a rerun with the same cases and options measures nothing again
     again = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts, command="pytest")
     assert json.loads(again.read_text())["rows"] == doc["rows"]

@@ -84,9 +84,10 @@ def test_store_outage_degrades_to_native(tiny_by_family):
 # ---- the gate ----------------------------------------------------------------------------------
 
 
-def _edge_artifact(path, sender, receiver, top1=0.9, transport="heterofold"):
+def _edge_artifact(path, sender, receiver, top1=0.9, transport="heterofold", facts=None):
+    quality = {"top1_agreement": top1, **({"facts": facts} if facts else {})}
     art = Artifact(transport, 1, model_binding(sender), model_binding(receiver), {"w": torch.zeros(1)},
-                   quality={"top1_agreement": top1})  # fmt: skip
+                   quality=quality)  # fmt: skip
     return art.save(path)
 
 
@@ -123,6 +124,29 @@ def test_gate_refuses_when_quality_threshold_is_above_calibrated(tiny_by_family,
     graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r))
     d = decide(graph, _state(s), r.spec.weights_hash, 2048, quality_threshold=0.8)
     assert d.transport == "native" and "0.70 is below the threshold 0.80" in d.reason
+
+
+def test_gate_refuses_a_point_that_loses_facts_and_names_the_recall(tiny_by_family, tmp_path):
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    lost = [{"f": 0.0, "selection": "mix", "cases": 12, "native_right": 6, "kept": 3, "fact_recall": 0.5}]
+    _edge_artifact(tmp_path / "e.safetensors", s, r, top1=0.9, facts=lost)
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r))
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048, quality_threshold=0.8)
+    assert d.transport == "native" and "fact recall 0.50 (3/6 facts) is below the threshold 0.80" in d.reason
+    kept = [{**lost[0], "kept": 6, "fact_recall": 1.0}]
+    _edge_artifact(tmp_path / "e.safetensors", s, r, top1=0.9, facts=kept)
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r))
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048, quality_threshold=0.8)
+    assert d.transport == "heterofold" and "fact recall 1.00 (6/6 facts) >= 0.80" in d.reason
+
+
+def test_gate_relays_where_native_answered_no_calibration_fact(tiny_by_family, tmp_path):
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    none = [{"f": 0.0, "selection": "mix", "cases": 12, "native_right": 0, "kept": 0, "fact_recall": None}]
+    _edge_artifact(tmp_path / "e.safetensors", s, r, top1=0.9, facts=none)
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r))
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048, quality_threshold=0.8)
+    assert d.transport == "heterofold" and "fact recall" not in d.reason  # no evidence either way: top-1 decides
 
 
 def test_gate_refuses_when_relay_is_predicted_slower(tiny_by_family, tmp_path):

@@ -1,10 +1,5 @@
 """State stores: paged memory pool, disk, a real Redis server (killed mid-run), tiers, tenants."""
 
-import shutil
-import socket
-import subprocess
-import time
-
 import pytest
 import torch
 
@@ -19,6 +14,7 @@ from ctxrelay.relay.store import (
     open_store,
 )
 from ctxrelay.state import Binding, BindingError, ContextState
+from local_redis import start_redis
 
 
 def make_state(text: str, tenant: str = "acme", kv_tokens: int = 64) -> ContextState:
@@ -113,30 +109,10 @@ def test_open_store_specs(tmp_path):
 # ---- redis: a real server ----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def redis_server(tmp_path):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (make dev installs it)")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    yield proc, f"redis://127.0.0.1:{port}/0"
+    proc, url = start_redis(tmp_path)
+    yield proc, url
     proc.kill()
     proc.wait()
 

@@ -20,14 +20,9 @@ def pool(tiny_by_family, tmp_path):
     return ModelPool([tiny_by_family["llama"]], artifact_dirs=[tmp_path / "none"], profile=Profile())
 
 
-def clean(c: rs.Count) -> None:
-    assert c.cases > 0
-    assert (c.requests_failed, c.unhandled, c.entries_lost, c.entries_corrupt) == (0, 0, 0, 0), c.failures
-
-
 def test_each_disk_fault_at_each_write_call_is_served(pool, tmp_path):
     c = rs.disk_faults(pool, next(iter(pool.models)), tmp_path)
-    clean(c)
+    assert c.clean, c.failures
     assert c.cases == len(faults.ERRORS) * len(faults.STAGES)
     assert c.faults_injected >= c.cases  # every case raised at least once
     assert any(k.startswith("native: no stored state") for k in c.details["served"])
@@ -47,19 +42,20 @@ def test_a_failed_write_leaves_the_old_entry_and_no_temporary(tmp_path, stage):
 
 def test_tampered_entries_are_never_served(pool, tmp_path):
     c = rs.tampered_entries(pool, next(iter(pool.models)), tmp_path, cases=3)
-    clean(c)
+    assert c.clean, c.failures
     assert c.faults_injected == 3
 
 
 def test_sigkill_mid_write_loses_nothing_acknowledged(tmp_path):
     c = rs.sigkill_mid_write(tmp_path, kills=6)
-    clean(c)
+    assert c.clean, c.failures
     assert c.details["acknowledged"] > 0 and c.details["entries"] > 0
 
 
 @pytest.mark.real  # the bar's 20 kills; seconds, not minutes
 def test_sigkill_mid_write_twenty_times(tmp_path):
-    clean(rs.sigkill_mid_write(tmp_path, kills=20))
+    c = rs.sigkill_mid_write(tmp_path, kills=20)
+    assert c.clean, c.failures
 
 
 def test_stale_temporaries_are_swept(tmp_path):
@@ -73,13 +69,13 @@ def test_stale_temporaries_are_swept(tmp_path):
 
 def test_two_processes_writing_one_key(tmp_path):
     c = rs.same_key_race(tmp_path, writes=20)
-    clean(c)
+    assert c.clean, c.failures
     assert c.details["writers_seen"] >= 1 and c.details["final_verifies"]
 
 
 def test_memory_budget_under_hundreds_of_contexts():
     c = rs.memory_budget(contexts=300, budget_states=12)
-    clean(c)
+    assert c.clean, c.failures
     assert c.details["evictions"] > 0 and c.details["pinned_checks"] > 0
     assert c.details["most_recent_kept"] == 3
 
@@ -89,6 +85,6 @@ def test_redis_faults_under_requests(pool, tmp_path):
     c = rs.redis_faults(pool, next(iter(pool.models)), tmp_path)
     if c.details.get("skipped"):
         pytest.skip(c.details["skipped"])
-    clean(c)
+    assert c.clean, c.failures
     assert c.faults_injected == len(rs.REDIS_FAULTS)
     assert c.details["served"]["killed"] == "unavailable" and c.details["served"]["resumed"] == "found"

@@ -85,3 +85,22 @@ def test_a_seam_that_retokenizes_is_captured_whole(tiny_by_family):
     m = tiny_by_family["llama"]
     state = capture_state(m, "The quick bro", "acme")
     assert extend_state(m, state, "The quick brown fox") is None  # "bro" + "wn" re-splits as "brown"
+
+
+def test_where_conversations_live_follows_the_state_store():
+    from ctxrelay.errors import UsageError
+    from ctxrelay.relay.store import MemoryStore, RedisStore, TieredStore
+    from ctxrelay.serve.sessions import SessionStore
+    from ctxrelay.serve.shared_sessions import RedisSessionStore, open_sessions
+
+    bounds = dict(max_sessions=10, max_state_bytes=1 << 20, lock_ttl_s=30.0)
+    memory, redis_tier = MemoryStore(1 << 20, 4096), RedisStore("redis://127.0.0.1:1/0")  # never connected
+    shared = open_sessions("auto", TieredStore([memory, redis_tier]), **bounds)
+    assert isinstance(shared, RedisSessionStore) and shared.client is redis_tier.client
+    shared.close()
+    assert isinstance(open_sessions("auto", memory, **bounds), SessionStore)
+    assert isinstance(open_sessions("memory", redis_tier, **bounds), SessionStore)
+    with pytest.raises(UsageError, match="use --store redis://"):
+        open_sessions("redis://127.0.0.1:1/0", memory, **bounds)
+    with pytest.raises(UsageError, match="unknown conversation store 'disk:/x'"):
+        open_sessions("disk:/x", redis_tier, **bounds)

@@ -17,6 +17,8 @@ BENCHES = {
     "heterofold-limits": "ctxrelay.bench.heterofold_limits",
     "decode": "ctxrelay.bench.decode",
     "heterofold-frontier": "ctxrelay.bench.heterofold_frontier",
+    "load": "ctxrelay.bench.load",
+    "router": "ctxrelay.bench.router",
     "reliability": "ctxrelay.bench.reliability",
 }
 

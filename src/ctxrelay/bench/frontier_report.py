@@ -167,11 +167,17 @@ def plot(rows: list[dict], path: Path) -> Path:
     return out
 
 
-def _candidates(table: list[dict], timing: dict, key: tuple, threshold: float, margin: float) -> list[tuple]:
-    """(rule, f, relay_s, native_s) of the points passing calibrated quality and measured speed, by f."""
+def _candidates(quality: dict, timing: dict, key: tuple, threshold: float, margin: float) -> list[tuple]:
+    """(rule, f, relay_s, native_s) of the points passing calibrated quality (top-1 and, where the artifact
+    measured it, fact recall) and measured speed, by f."""
+    from ctxrelay.transports.heterofold.facts import facts_at
+
     out = []
-    for p in sorted(table, key=lambda p: p["f"]):
+    for p in sorted(quality.get("recompute", []), key=lambda p: p["f"]):
         t = timing.get((*key, p["selection"], p["f"]))
+        recall = facts_at(quality, p["f"]).get("fact_recall")
+        if recall is not None and recall < threshold:
+            continue
         if p["top1_agreement"] >= threshold and t and t["relay_ttft_s"] * margin < t["native_ttft_s"]:
             out.append((p["selection"], p["f"], t["relay_ttft_s"], t["native_ttft_s"]))
     return out
@@ -206,18 +212,19 @@ def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: flo
     """The gate's default decision, replayed per request on the measured rows.
 
     Per direction and length: the operating points whose calibrated top-1 (the artifact's recompute
-    table) meets `threshold` and whose measured TTFT (timing rows) beats native by `margin`, cheapest
-    first. Per request: relay at the first; accept when the artifact's estimate for that request
-    (from the row's signals; where the gate trusts it) meets the threshold and the answer is not
-    empty (the gate refuses a relay whose first token ends the text), else pay that relay and try
-    the next while time is left, else native prefill. Answers, top-1 and TTFT come from the rows of the points tried."""
+    table) and fact recall (where the fact stage ran) meet `threshold` and whose measured TTFT (timing
+    rows) beats native by `margin`, cheapest first. Per request: relay at the first; accept when the
+    artifact's estimate for that request (from the row's signals; where the gate trusts it) meets the
+    threshold and the answer is not empty (the gate refuses a relay whose first token ends the text),
+    else pay that relay and try the next while time is left, else native prefill. Answers, top-1 and
+    TTFT come from the rows of the points tried."""
     timing = {_point_key(x): x for x in rows if x.get("kind") == "timing"}
     quality = [x for x in rows if x.get("kind") != "timing"]
     by_case = {(x["sender"], x["receiver"], x["case_key"], x["selection"], x["f"]): x for x in quality}
     out = []
     for (s, r), q in sorted(qualities.items()):
         for n in sorted({x["length"] for x in quality if (x["sender"], x["receiver"]) == (s, r)}):
-            cands = _candidates(q.get("recompute", []), timing, (s, r, n), threshold, margin)
+            cands = _candidates(q, timing, (s, r, n), threshold, margin)
             cases = sorted({x["case_key"] for x in quality if (x["sender"], x["receiver"], x["length"]) == (s, r, n)})
             res = [_replay(cands, by_case, (s, r, ck), q.get("estimate"), threshold) for ck in cases]
             needles = [x for x in res if x["native_needle"] is not None]
@@ -284,4 +291,30 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
     lines += ["", *_markdown(["direction", "tokens", "requests", "gate chose", "needles (native)", *quality], gate)]
     heads = ["direction", "f", "signal", "requests", "Spearman top-1", "questions", "Spearman needle"]
     lines += ["", *_markdown(heads, est)]
+    cal = [
+        [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", _cell(x.get("top1_agreement")),
+         "-" if x.get("native_right") is None else f"{x['kept']}/{x['native_right']} of {x['cases']}",
+         _cell(x.get("fact_recall")), "yes" if x["passes"] else "no"]
+        for x in doc.get("calibrated", [])
+    ]  # fmt: skip
+    heads = ["direction", "f", "calibrated top-1", "facts kept", "fact recall", "passes the gate's quality"]
+    lines += ["", *_markdown(heads, cal)]
     return "\n".join(lines)
+
+
+def calibrated_points(qualities: dict, threshold: float) -> list[dict]:
+    """Per direction and f of the artifact's recompute table: calibrated top-1, the fact stage's counts, and
+    whether the point passes the gate's quality checks at `threshold` (before cost)."""
+    from ctxrelay.transports.heterofold.facts import facts_at
+
+    out = []
+    for (s, r), q in sorted(qualities.items()):
+        for p in sorted(q.get("recompute", []), key=lambda p: p["f"]):
+            facts = next((e for e in q.get("facts", []) if abs(e["f"] - p["f"]) < 1e-9), {})
+            recall = facts_at(q, p["f"]).get("fact_recall")
+            ok = p["top1_agreement"] >= threshold and (recall is None or recall >= threshold)
+            counts = {k: facts[k] for k in ("cases", "native_right", "kept", "fact_recall") if k in facts}
+            item = {"sender": s, "receiver": r, "f": p["f"], "top1_agreement": p["top1_agreement"], "passes": ok,
+                    **counts}  # fmt: skip
+            out.append({k: v for k, v in item.items() if v is not None})
+    return out

@@ -27,7 +27,15 @@ import torch
 from tqdm import tqdm
 
 from ctxrelay import paths, tensorfile
-from ctxrelay.bench.frontier_report import estimate_check, gate_replay, plot, reusable, summarize, tables
+from ctxrelay.bench.frontier_report import (
+    calibrated_points,
+    estimate_check,
+    gate_replay,
+    plot,
+    reusable,
+    summarize,
+    tables,
+)
 from ctxrelay.bench.heterofold import cut_at_tokens
 from ctxrelay.bench.native import native_ttft
 from ctxrelay.bench.results import read_results, write_results
@@ -342,6 +350,7 @@ def derived(rows: list[dict], arts: dict) -> dict:
         "directions": [list(d) for d in dirs],
         "estimate_check": estimate_check(rows, {d: a.quality.get("estimate") for d, a in arts.items()}),
         "gate": gate_replay(rows, {d: a.quality for d, a in arts.items()}, DEFAULT_QUALITY, MIN_SPEEDUP),
+        "calibrated": calibrated_points({d: a.quality for d, a in arts.items()}, DEFAULT_QUALITY),
         "summary": summarize(rows),
     }
 

@@ -10,9 +10,7 @@ how a request is served, never what it answers).
 from __future__ import annotations
 
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +26,7 @@ from ctxrelay.bench.fuzz import edit_manifest
 from ctxrelay.errors import BindingError, CtxrelayError
 from ctxrelay.relay.api import ModelPool
 from ctxrelay.relay.store import DiskStore, MemoryStore, RedisStore, StateKey, StateStore, StoreFull, TieredStore
+from ctxrelay.serve.testing import start_redis
 from ctxrelay.state import content_hash
 
 SUFFIX = " Question: what is it about? Answer:"
@@ -47,6 +46,12 @@ class Count:
     unhandled: int = 0
     details: dict = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)  # the first few, for the report
+
+    @property
+    def clean(self) -> bool:
+        """Cases were tried and none failed, crashed, lost or corrupted anything."""
+        bad = self.requests_failed + self.unhandled + self.entries_lost + self.entries_corrupt
+        return self.cases > 0 and bad == 0
 
     def fail(self, why: str) -> None:
         self.requests_failed += 1
@@ -314,29 +319,17 @@ def _pins(store: MemoryStore) -> Iterator:
 
 @contextmanager
 def redis_server(root: Path) -> Iterator[tuple[subprocess.Popen, str] | None]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        yield None
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(root)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    """A throwaway redis-server (None where it is not installed), killed (and resumed first) at the end."""
+    started = start_redis(root)
     try:
-        yield proc, f"redis://127.0.0.1:{port}/0"
+        yield started
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-        proc.wait()
+        if started is not None:
+            proc = started[0]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+            proc.wait()
 
 
 REDIS_FAULTS = ("maxmemory", "slowed", "slowed_past_timeout", "paused", "killed")

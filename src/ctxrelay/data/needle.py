@@ -72,6 +72,47 @@ NEEDLES: tuple[Needle, ...] = (
     ),
 )
 
+# Calibration-only facts (the gate's fact-recall stage): never in NEEDLES, so the held-out needle
+# benchmarks and the demo ask about facts the calibration never saw.
+CALIBRATION_NEEDLES: tuple[Needle, ...] = (
+    Needle(
+        "The night train to Oskarvik departs from platform 7.",
+        "From which platform does the night train to Oskarvik depart?",
+        "platform 7",
+        "Which platform does the Oskarvik night train leave from?",
+    ),
+    Needle(
+        "The Brambleton choir rehearses every Thursday in the old granary.",
+        "Where does the Brambleton choir rehearse?",
+        "the old granary",
+        "In which building does the Brambleton choir practise?",
+    ),
+    Needle(
+        "The combination of the Delacroix safe is 5093.",
+        "What is the combination of the Delacroix safe?",
+        "5093",
+        "Which number opens the Delacroix safe?",
+    ),
+    Needle(
+        "Captain Rhea Solberg named her sailboat the Gull's Promise.",
+        "What did Captain Rhea Solberg name her sailboat?",
+        "Gull's Promise",
+        "What is Captain Rhea Solberg's sailboat called?",
+    ),
+    Needle(
+        "The Fennimore library closes at half past six on Saturdays.",
+        "At what time does the Fennimore library close on Saturdays?",
+        "half past six",
+        "When does the Fennimore library shut on Saturdays?",
+    ),
+    Needle(
+        "The password for the Tamsin Lodge wifi is amber-falcon-77.",
+        "What is the password for the Tamsin Lodge wifi?",
+        "amber-falcon-77",
+        "Which password unlocks the wifi at Tamsin Lodge?",
+    ),
+)
+
 QUESTION_FORMAT = "\n\nQuestion: {question}\nAnswer:"
 
 
@@ -104,12 +145,14 @@ def insert_at_depth(haystack: str, fact: str, depth: float) -> tuple[str, int]:
     return before + sep_before + fact + sep_after + after, pos
 
 
-def make_needle_case(haystack: str, depth: float, seed: int = 0, paraphrase: bool = False) -> NeedleCase:
-    """One needle-QA case: fact number `seed` (mod the fact count) inserted at `depth`; the question
-    as written, or (paraphrase=True) in other words."""
+def make_needle_case(
+    haystack: str, depth: float, seed: int = 0, paraphrase: bool = False, facts: tuple[Needle, ...] = NEEDLES
+) -> NeedleCase:
+    """One needle-QA case: fact number `seed` (mod the fact count) of `facts` inserted at `depth`; the
+    question as written, or (paraphrase=True) in other words."""
     if not haystack.strip():
         raise UsageError("needle haystack is empty; build one with eval.datasets.essay_haystack")
-    needle = NEEDLES[seed % len(NEEDLES)]
+    needle = facts[seed % len(facts)]
     context, pos = insert_at_depth(haystack, needle.fact, depth)
     return NeedleCase(
         context=context,

@@ -30,6 +30,9 @@ MIN_SPEEDUP = 1.10  # predicted native / relay TTFT an edge must reach to be cho
 # receiver's own native prefill. A relay that changes the answer is worse than no relay; 0 is an
 # explicit opt-in to gist-only speed. 0.85, not 0.9: on our pairs the recompute fractions that keep
 # heterofold several times faster than native measure 0.86-0.88 (README, faithful relay).
+# Where a point also records fact recall (the share of calibration questions answered right natively
+# that it answers right too), that must meet the same threshold: top-1 agreement alone passed relays
+# into smollm2 that lost every needle fact.
 DEFAULT_QUALITY = 0.85
 
 
@@ -152,10 +155,16 @@ def reason_for(c: Candidate, native_s: float | None, threshold: float, requested
     if requested != "auto":
         return f"{c.label} requested explicitly (cost and quality gates skipped; bindings checked)"
     q = c.point.quality.get("top1_agreement")
+    facts = c.point.quality.get("fact_recall")
+    kept = "" if facts is None else f" and fact recall {_recall(c.point.quality)}"
     return (
         f"{c.label} predicted {c.predicted_s:.2f} s vs native {native_s:.2f} s "
-        f"({native_s / c.predicted_s:.1f}x) with calibrated top-1 agreement {q:.2f} >= {threshold:.2f}"
+        f"({native_s / c.predicted_s:.1f}x) with calibrated top-1 agreement {q:.2f}{kept} >= {threshold:.2f}"
     )
+
+
+def _recall(q: dict) -> str:
+    return f"{q['fact_recall']:.2f} ({q.get('kept')}/{q.get('native_right')} facts)"
 
 
 def _not_worth_it(c: Candidate, native_s: float | None, threshold: float, min_speedup: float) -> str | None:
@@ -164,6 +173,9 @@ def _not_worth_it(c: Candidate, native_s: float | None, threshold: float, min_sp
         return "artifact records no calibrated top-1 agreement"
     if q < threshold:
         return f"calibrated top-1 agreement {q:.2f} is below the threshold {threshold:.2f}"
+    facts = c.point.quality.get("fact_recall")
+    if facts is not None and facts < threshold:
+        return f"calibrated fact recall {_recall(c.point.quality)} is below the threshold {threshold:.2f}"
     if native_s is None:
         return "no native cost profile for the receiver (run `ctxrelay profile`)"
     if c.predicted_s is None:

@@ -21,7 +21,7 @@ from ctxrelay.serve.engine import Engine
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import CountedStore, Metrics
 from ctxrelay.serve.openai_api import Limits, router
-from ctxrelay.serve.sessions import SessionStore
+from ctxrelay.serve.shared_sessions import open_sessions
 
 
 @dataclass
@@ -31,6 +31,10 @@ class Settings:
     request_timeout_s: float = 300.0  # longest wait for the compute lock before 503
     max_sessions: int = 1000  # conversations held; the least recently used goes first
     max_state_bytes: int = 4 << 30  # states they hold; past it the least recently used lose theirs
+    # where conversations live: "auto" (Redis when the state store has a Redis tier, else memory),
+    # "memory" (this process), "redis://HOST:PORT/DB" (shared by every process using it; shared_sessions.py)
+    sessions: str = "auto"
+    session_lock_ttl_s: float = 30.0  # how long a killed process can keep a Redis conversation locked
     limits: Limits = field(default_factory=Limits)
 
 
@@ -58,7 +62,10 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
     inner = pool.store.inner if isinstance(pool.store, CountedStore) else pool.store
     pool.store = CountedStore(inner, metrics)  # the server owns its pool: count what it stores
     engine = Engine(pool, metrics, max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s)
-    sessions = SessionStore(settings.max_sessions, settings.max_state_bytes)
+    sessions = open_sessions(
+        settings.sessions, pool.store, max_sessions=settings.max_sessions, max_state_bytes=settings.max_state_bytes,
+        lock_ttl_s=settings.session_lock_ttl_s,
+    )  # fmt: skip
     auth = Auth(settings.keys)
     tenant_of = Depends(auth)
     app.state.engine, app.state.sessions = engine, sessions
@@ -77,7 +84,7 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
 
     @app.get("/healthz")
     def healthz() -> dict:
-        return {"ok": True, "models": list(pool.models)}
+        return {"ok": True, "models": list(pool.models), "conversations": sessions.kind}
 
     @app.get("/metrics")
     def prometheus() -> Response:

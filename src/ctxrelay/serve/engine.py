@@ -113,10 +113,9 @@ class Engine:
         with self.computing() as waited:
             if relay:
                 res = self.pool.continue_from(session.state, model, suffix, tenant=tenant, transport=transport, **gen)
-            elif history:  # a conversation whose state the memory budget dropped
+            elif history:  # a conversation whose state was dropped (memory budget) or cannot be read
                 res = self.pool.native(model, transcript(history), suffix, **gen)
-                why = "the conversation's state was dropped (state memory budget): native prefill of the transcript"
-                res.reason = res.decision["reason"] = why
+                res.reason = res.decision["reason"] = f"{session.no_state}: native prefill of the transcript"
             else:
                 res = self.pool.native(model, suffix, "", **gen)
                 res.reason = res.decision["reason"] = (

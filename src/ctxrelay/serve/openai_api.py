@@ -23,7 +23,7 @@ from ctxrelay.relay.gate import requestable
 from ctxrelay.serve.chat import normalise
 from ctxrelay.serve.engine import Engine, Served
 from ctxrelay.serve.errors import ApiError
-from ctxrelay.serve.sessions import Session, SessionStore
+from ctxrelay.serve.sessions import Conversations, Session
 from ctxrelay.serve.streaming import TextDeltas, sse, stream
 
 
@@ -74,7 +74,7 @@ def usage(s: Served) -> dict:
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": n, "total_tokens": s.prompt_tokens + n}
 
 
-def router(engine: Engine, sessions: SessionStore, tenant_of: Callable, limits: Limits) -> APIRouter:
+def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits: Limits) -> APIRouter:
     api = APIRouter(prefix="/v1")
     Tenant = Depends(tenant_of)
 
@@ -109,7 +109,10 @@ def router(engine: Engine, sessions: SessionStore, tenant_of: Callable, limits: 
 
         def work(on_token=None) -> Served:
             opts = dict(max_tokens=max_tokens, temperature=req.temperature or 0.0, transport=req.transport)
-            return engine.chat(tenant, req.model, messages, session, on_token=on_token, **opts)
+            served = engine.chat(tenant, req.model, messages, session, on_token=on_token, **opts)
+            if session is not None:
+                sessions.save(session)  # before the reply leaves: the next turn may go to another process
+            return served
 
         if req.stream:
             obj = {**base, "object": "chat.completion.chunk"}
@@ -165,39 +168,32 @@ def _model(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "ctxrelay"}
 
 
-def _session(sessions: SessionStore, field: str | None, header: str | None, tenant: str) -> Session | None:
+def _session(sessions: Conversations, field: str | None, header: str | None, tenant: str) -> Session | None:
     if field and header and field != header:
         raise ApiError(400, "the conversation field and the X-Conversation-Id header name different conversations")
     conv = field or header
     return sessions.open(conv, tenant) if conv else None
 
 
-def _hold(engine: Engine, session: Session | None, sessions: SessionStore) -> Callable[[], None]:
-    """Take the queue slot and the conversation (one turn at a time); returns the release of both."""
-    if session is not None and not session.busy.acquire(blocking=False):
-        raise ApiError(409, f"conversation {session.id} is serving another turn; send the next turn after it")
+def _hold(engine: Engine, session: Session | None, sessions: Conversations) -> Callable[[], None]:
+    """Take the conversation (one turn at a time) and the queue slot; returns the release of both."""
+    if session is not None:
+        sessions.hold(session)
     try:
         release_slot = engine.admit()
     except ApiError:
         if session is not None:
-            _forget_unserved(session, sessions)
+            sessions.release(session)
         raise
 
     def release() -> None:
         release_slot()
         if session is not None:
-            _forget_unserved(session, sessions)
+            sessions.release(session)
         engine.metrics.sessions.set(len(sessions))
         engine.metrics.state_bytes.set(sessions.trim())
 
     return release
-
-
-def _forget_unserved(session: Session, sessions: SessionStore) -> None:
-    """Free the conversation for its next turn; one whose first turn never ran is dropped (nobody has its id)."""
-    if session.turns == 0:
-        sessions.discard(session)
-    session.busy.release()
 
 
 def _closing(obj: dict, end_choice: dict, s: Served, stream_options: dict | None) -> list[dict]:

@@ -1,4 +1,5 @@
-"""A tiny relay pool and a real server in a thread: what the serve tests and the reliability bench run.
+"""A tiny relay pool, a real server in a thread and a throwaway redis-server: what the tests and the
+reliability bench run.
 
 llama -> qwen2 has a heterofold edge that passes the gate: a zero-map artifact with a recorded
 top-1 agreement, a cost profile that predicts it 10x faster than native prefill, and the quality
@@ -7,7 +8,9 @@ threshold at 0 (the explicit opt-in to gist-only speed; the maps are wrong by de
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -63,6 +66,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_redis(work_dir: Path) -> tuple[subprocess.Popen, str] | None:
+    """redis-server on a free loopback port, no persistence (None where it is not installed); returns the
+    process and its URL. The caller kills it."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None
+    port = free_port()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(work_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def start(pool: ModelPool, settings: Settings) -> tuple[str, Callable[[], None]]:

@@ -42,5 +42,9 @@ def test_refit_stage_refits_the_estimate_from_the_stored_rows(tiny_by_family, tm
     assert est["signal"] == "tail_confidence" and est["spearman"] == 1.0 and est["rule"] == "mix"
     assert set(est["centres"]) == {"0.1", "0.2"} and abs(est["slope"] - 0.5) < 1e-9
     with pytest.raises(UsageError, match="no recompute stage"):
-        calib_data.calibrate_job("a", "b", out=str(zero_artifact(tiny_by_family["llama"], tiny_by_family["qwen2"])
-                                                   .save(tmp_path / "b.safetensors")), options={"stage": "refit"})
+        calib_data.calibrate_job(
+            "a",
+            "b",
+            out=str(zero_artifact(tiny_by_family["llama"], tiny_by_family["qwen2"]).save(tmp_path / "b.safetensors")),
+            options={"stage": "refit"},
+        )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ctxrelay.transports.base import Transport
 from ctxrelay.transports.heterofold.calibrate import METHODS, CalibConfig, calibrate
+from ctxrelay.transports.heterofold.facts import facts_at
 from ctxrelay.transports.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, identity_artifact, relay_prefill
 
 
@@ -21,12 +22,14 @@ class Heterofold(Transport):
     color = "tab:orange"
 
     def operating_points(self, params: dict, quality: dict) -> list[dict]:
-        """Plain translation, then each recompute fraction the artifact's faithful stage measured."""
-        points = [{"label": "", "options": {}, "quality": quality}]
+        """Plain translation, then each recompute fraction the artifact's faithful stage measured; each
+        with its fact recall where the fact stage measured it (the gate checks both)."""
+        points = [{"label": "", "options": {}, "quality": {**quality, **facts_at(quality, 0.0)}}]
         for q in sorted(quality.get("recompute", []), key=lambda q: q["f"]):
             if q["f"] > 0:
                 opts = {"recompute": q["f"], "selection": q["selection"]}
-                points.append({"label": f"f={q['f']:.2f} {q['selection']}", "options": opts, "quality": q})
+                label = f"f={q['f']:.2f} {q['selection']}"
+                points.append({"label": label, "options": opts, "quality": {**q, **facts_at(quality, q["f"])}})
         return points
 
     def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):

@@ -27,6 +27,8 @@ DATA_DEFAULTS = {"chunk_chars": 2200, "essay_chunks": 40, "conversations": 24, "
 # essays and conversations of about the length the relay serves
 RECOMPUTE_DEFAULTS = {"recompute_tokens": 2048, "recompute_essays": 8, "recompute_convs": 4,
                       "fractions": "0.05,0.1,0.2,0.3", "rule": "mix"}  # fmt: skip
+# the fact-recall stage (facts.py): calibration-only needle cases, answered natively and at every fraction
+FACTS_DEFAULTS = {"facts_cases": 12, "facts_tokens": 2048, "facts_new_tokens": 32}
 
 
 def chunk(text: str, chars: int) -> list[str]:
@@ -101,7 +103,7 @@ def default_artifact_path(sender: str, receiver: str, method: str = "heterofold"
 
 
 def _split_options(options: dict | None) -> tuple[dict, dict]:
-    opts = {**DATA_DEFAULTS, **RECOMPUTE_DEFAULTS}
+    opts = {**DATA_DEFAULTS, **RECOMPUTE_DEFAULTS, **FACTS_DEFAULTS}
     rest = {}
     for k, v in (options or {}).items():
         (opts if k in opts else rest)[k] = v
@@ -114,8 +116,9 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
     method=all (or a comma list) calibrates the three baselines and heterofold in one process (shared
     data, shared held-out items); baselines go to their default paths, heterofold to --out (or its default
     path); the returned path is heterofold's. heterofold's artifact then gets the faithful mode's stage
-    (quality per recompute fraction, the per-request estimate); stage=recompute runs only that stage,
-    on the direction's existing artifact (--out, else the packaged or user artifact), and rewrites it.
+    (quality per recompute fraction, the per-request estimate) and the fact-recall stage (facts.py);
+    stage=recompute or stage=facts runs only that stage on the direction's existing artifact (--out,
+    else the packaged or user artifact) and rewrites it.
     """
     from ctxrelay import zoo
     from ctxrelay.transports import heterofold
@@ -130,19 +133,19 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
         known = ", ".join(heterofold.METHODS)
         raise UsageError(f"unknown heterofold method(s) {bad}: use all, or a comma list of {known}")
     stage = cal_opts.pop("stage", "all")
-    if stage not in ("all", "recompute", "refit"):
-        raise UsageError(f"unknown heterofold calibration stage {stage!r}: use all, recompute or refit")
+    if stage not in ("all", "recompute", "facts", "refit"):
+        raise UsageError(f"unknown heterofold calibration stage {stage!r}: use all, recompute, facts or refit")
     command = command or _command(sender, receiver, options)
     if stage == "refit":  # the estimate again from the recompute stage's stored rows (no model runs)
         return _refit(Path(out) if out else find_artifact(sender, receiver), command)
     s, r = zoo.load(sender), zoo.load(receiver)
     path = None
-    if stage == "recompute":
+    if stage in ("recompute", "facts"):
         path = Path(out) if out else find_artifact(sender, receiver)
         if not path.exists():
-            raise UsageError(f"no heterofold artifact at {path} to add the recompute stage to: calibrate it first")
+            raise UsageError(f"no heterofold artifact at {path} to add the {stage} stage to: calibrate it first")
         art = Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
-        _add_recompute_stage(s, r, art, data_opts, command)
+        (_add_recompute_stage if stage == "recompute" else _add_facts_stage)(s, r, art, data_opts, command)
         art.save(path)
         return path
     train, held = calibration_texts(data_opts)
@@ -154,6 +157,7 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
         art.params["data"] = data_opts
         if m == "heterofold":
             _add_recompute_stage(s, r, art, data_opts, command)
+            _add_facts_stage(s, r, art, data_opts, command)
         path = Path(out) if out and m == "heterofold" else default_artifact_path(sender, receiver, m)
         art.save(path)
     del s, r
@@ -183,6 +187,18 @@ def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
     art.quality.update(recompute=res["recompute"], estimate=res["estimate"])
     art.params["recompute_stage"] = {"command": command, "rows": res["recompute_rows"],
                                      **{k: opts[k] for k in RECOMPUTE_DEFAULTS}}  # fmt: skip
+
+
+def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
+    from ctxrelay.transports.heterofold.facts import calibrate_facts
+
+    fracs = [0.0] + [float(f) for f in str(opts["fractions"]).split(",") if f]
+    res = calibrate_facts(s, r, art, fracs, str(opts["rule"]), cases=int(opts["facts_cases"]),
+                          tokens=int(opts["facts_tokens"]), new_tokens=int(opts["facts_new_tokens"]),
+                          root=paths.work_dir("heterofold", "states"))  # fmt: skip
+    art.quality["facts"] = res["facts"]
+    art.params["facts_stage"] = {"command": command, "rows": res["rows"], "rule": str(opts["rule"]),
+                                 **{k: opts[k] for k in FACTS_DEFAULTS}}  # fmt: skip
 
 
 def _command(sender: str, receiver: str, options: dict | None) -> str:

@@ -1,0 +1,315 @@
+"""Conversations in Redis: several `ctxrelay serve` processes sharing one Redis serve one conversation.
+
+A turn served by one process (one model) continues on any other process (any other model) from
+what the first stored, and a process that dies loses nothing it saved. Stored values are plain
+data, keyed so that other engines can read them (no Python objects):
+
+- `ctxrelay:conv:<tenant>:<id>`: the record, JSON `{"version": 1, "id", "tenant", "messages":
+  [{"role", "content"}, ...], "model" (the one that served the last turn), "state": {"tenant",
+  "content_hash", "model_hash"} (the state it left), "turns", "updated" (unix seconds)}`;
+- the state itself lives in the pool's state store (its Redis tier: `ctxrelay:state:<tenant>:
+  <content hash>:<weights hash>`, safetensors bytes with a JSON manifest), so the next process
+  reads it through the store's tenant and binding checks;
+- `ctxrelay:conv-lock:<tenant>:<id>`: the turn lock, a random token set with NX and an expiry,
+  renewed while the turn runs and released by compare-and-delete: two processes never run one
+  conversation's turn at once (409, as within one process), and a killed process holds it for at
+  most `lock_ttl_s`;
+- `ctxrelay:conv-lru`: record keys by last use; past `max_sessions` the least recently used
+  conversations go (their id then answers 404 like any unknown one);
+- `ctxrelay:conv-state-refs`: how many records name each state (conversations with the same
+  transcript on the same model share one); a state goes when no record names it any more.
+
+The record is read again once the lock is taken (another process may have served a turn since
+`open`), and `save` writes it only while the lock is still this turn's (one Lua script).
+
+Redis unavailable mid-request: reading the record or taking the lock answers 503 (the transcript
+and its owner are there; without them the turn could neither be checked nor saved); a state that
+cannot be read makes the turn a native prefill of the transcript, and its reason says so; a turn
+that cannot be saved answers 503 rather than a reply the next turn would not know about.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+from ctxrelay.errors import UsageError
+from ctxrelay.relay.store import RedisStore, StateKey, StateStore, StoreUnavailable, TieredStore
+from ctxrelay.serve.errors import ApiError
+from ctxrelay.serve.metrics import CountedStore
+from ctxrelay.serve.sessions import NEW, Conversations, Session, SessionStore, busy, new_id, unknown
+
+log = logging.getLogger("ctxrelay.serve")
+
+VERSION = 1
+_ID = re.compile(r"conv-[A-Za-z0-9_-]{1,64}")  # what new_id issues; anything else is unknown
+
+# only the holder of the lock's token extends it, releases it or writes what it guards
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_UNLOCK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# the save: the record and its last use, and the states' reference counts (ARGV[4] the state it
+# names now, ARGV[5] the one it named; '' for none): -1 lock lost, 1 the old state is unreferenced
+_SAVE = """if redis.call('get', KEYS[1]) ~= ARGV[1] then return -1 end
+redis.call('set', KEYS[2], ARGV[2])
+redis.call('zadd', KEYS[3], ARGV[3], KEYS[2])
+if ARGV[4] == ARGV[5] then return 0 end
+if ARGV[4] ~= '' then redis.call('hincrby', KEYS[4], ARGV[4], 1) end
+if ARGV[5] ~= '' and redis.call('hincrby', KEYS[4], ARGV[5], -1) <= 0 then
+  redis.call('hdel', KEYS[4], ARGV[5])
+  return 1
+end
+return 0"""
+_UNREF = """if redis.call('hincrby', KEYS[1], ARGV[1], -1) > 0 then return 0 end
+redis.call('hdel', KEYS[1], ARGV[1])
+return 1"""
+
+
+@dataclass
+class _Turn:
+    token: str  # this turn's lock token
+    state: StateKey | None  # the state the conversation had when the turn began
+
+
+class RedisSessionStore:
+    kind = "redis"
+
+    def __init__(
+        self, client, states: StateStore, *, prefix: str = "ctxrelay", max_sessions: int = 1000,
+        lock_ttl_s: float = 30.0,
+    ):  # fmt: skip
+        import redis
+
+        self.client, self.states, self.prefix, self.max_sessions = client, states, prefix, max_sessions
+        self.lock_ms = max(1, int(lock_ttl_s * 1000))
+        self._errors = (redis.exceptions.RedisError, OSError)
+        scripts = (_RENEW, _UNLOCK, _SAVE, _UNREF)
+        self._renew, self._unlock, self._save, self._unref = (client.register_script(s) for s in scripts)
+        self._turns: dict[str, _Turn] = {}  # lock key -> the turn this process runs under it
+        self._mutex = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._keep_locks, name="ctxrelay-session-locks", daemon=True).start()
+
+    # ---- keys ---------------------------------------------------------------------------------
+
+    def record_key(self, tenant: str, conversation: str) -> str:
+        return f"{self.prefix}:conv:{tenant}:{conversation}"
+
+    def lock_key(self, tenant: str, conversation: str) -> str:
+        return f"{self.prefix}:conv-lock:{tenant}:{conversation}"
+
+    @property
+    def lru_key(self) -> str:
+        return f"{self.prefix}:conv-lru"
+
+    @property
+    def refs_key(self) -> str:
+        """A hash: state (tenant:content_hash:model_hash) -> how many records name it. Conversations
+        with the same transcript on the same model share one state; it goes when the last one moves on."""
+        return f"{self.prefix}:conv-state-refs"
+
+    def _call(self, what: str, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except self._errors as e:
+            why = f"the conversation store (redis) is unavailable: cannot {what} ({e}); retry later"
+            raise ApiError(503, why) from None
+
+    # ---- the turn -----------------------------------------------------------------------------
+
+    def open(self, conversation: str, tenant: str) -> Session:
+        """A new session for "new" (stored by its first turn's save), else the tenant's own (404 otherwise)."""
+        if conversation == NEW:
+            return Session(new_id(), tenant)
+        s = Session(conversation, tenant)
+        self._load_record(s)
+        return s
+
+    def hold(self, s: Session) -> None:
+        """Take the conversation's lock (409 while another process or request holds it), then read
+        the record again and the state it names."""
+        lock, token = self.lock_key(s.tenant, s.id), secrets.token_hex(16)
+        if not self._call("lock the conversation", self.client.set, lock, token, nx=True, px=self.lock_ms):
+            raise busy(s.id)
+        with self._mutex:
+            self._turns[lock] = turn = _Turn(token, None)
+        try:
+            if s.turns:  # a conversation that has a record: what the last turn, on any process, saved
+                turn.state = self._load_record(s)
+                self._load_state(s, turn.state)
+        except BaseException:
+            self.release(s)
+            raise
+
+    def save(self, s: Session) -> None:
+        """After the turn: its state into the state store, then the record (only while this turn still
+        holds the lock). 503 or 409 when it cannot be saved: the client sends the turn again."""
+        lock = self.lock_key(s.tenant, s.id)
+        turn = self._turns[lock]
+        try:
+            key = self.states.put(s.state) if s.state is not None else None
+        except StoreUnavailable as e:
+            raise ApiError(503, f"the conversation's state could not be stored ({e}); this turn was not saved, "
+                                "send it again") from None  # fmt: skip
+        record = {
+            "version": VERSION, "id": s.id, "tenant": s.tenant, "messages": s.messages, "model": s.model,
+            "state": None if key is None else {"tenant": key.tenant, "content_hash": key.content_hash,
+                                               "model_hash": key.model_hash},
+            "turns": s.turns, "updated": time.time(),
+        }  # fmt: skip
+        keys = [lock, self.record_key(s.tenant, s.id), self.lru_key, self.refs_key]
+        args = [turn.token, json.dumps(record), record["updated"], _ref(key), _ref(turn.state)]
+        done = self._call("save the conversation (this turn was not saved)", self._save, keys=keys, args=args)
+        if done == -1:
+            self._forget_unnamed(key)
+            ttl = self.lock_ms / 1000
+            why = f"conversation {s.id} lost its turn lock (not renewed within {ttl:g} s); this turn was not saved"
+            raise ApiError(409, why + ", send it again")
+        if done == 1:
+            self._forget_state(turn.state)  # no conversation names it any more
+        turn.state = key
+        self._bound()
+
+    def release(self, s: Session) -> None:
+        """Release the lock (compare-and-delete: never another turn's); where Redis cannot be reached
+        the lock expires by itself within lock_ttl_s."""
+        lock = self.lock_key(s.tenant, s.id)
+        with self._mutex:
+            turn = self._turns.pop(lock, None)
+        s.state = None  # between turns the state lives in the store, not in this process
+        if turn is None:
+            return
+        try:
+            self._unlock(keys=[lock], args=[turn.token])
+        except self._errors as e:
+            log.warning("conversation %s: lock not released (%s); it expires in %g s", s.id, e, self.lock_ms / 1000)
+
+    def trim(self) -> int:
+        """States held by this process between turns: none (Redis bounds its own memory)."""
+        return 0
+
+    def __len__(self) -> int:
+        try:
+            return int(self.client.zcard(self.lru_key))
+        except self._errors as e:
+            log.warning("conversation count unavailable: %s", e)
+            return 0
+
+    def close(self) -> None:
+        self._closed.set()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _load_record(self, s: Session) -> StateKey | None:
+        """Fill `s` from its record (404 when there is none for this tenant); returns the state key it names."""
+        raw = None
+        if _ID.fullmatch(s.id):
+            raw = self._call("read the conversation", self.client.get, self.record_key(s.tenant, s.id))
+        if raw is None:
+            raise unknown(s.id)
+        try:
+            rec = json.loads(raw)
+            if rec["version"] != VERSION:
+                raise ValueError(f"record version {rec['version']}, this server reads {VERSION}")
+            if rec["tenant"] != s.tenant or rec["id"] != s.id:
+                raise unknown(s.id)
+            s.messages, s.model, s.turns = list(rec["messages"]), rec["model"], int(rec["turns"])
+            st = rec["state"]
+            # the key is rebuilt with the reader's tenant: a record can never name another tenant's state
+            return None if st is None else StateKey(s.tenant, str(st["content_hash"]), str(st["model_hash"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ApiError(500, f"conversation {s.id}'s record in redis is unreadable ({e})") from None
+
+    def _load_state(self, s: Session, key: StateKey | None) -> None:
+        s.state = None
+        if key is None:
+            s.no_state = "the conversation's record names no state"
+            return
+        try:
+            s.state = self.states.get(key, s.tenant)
+        except StoreUnavailable as e:
+            s.no_state = f"the conversation's state could not be read ({e})"
+            return
+        if s.state is None:
+            s.no_state = "the conversation's state is no longer in the state store (evicted or expired)"
+
+    def _forget_unnamed(self, key: StateKey | None) -> None:
+        """A state this turn stored but could not name in its record: gone unless a record names it."""
+        try:
+            if key is not None and not self.client.hexists(self.refs_key, _ref(key)):
+                self._forget_state(key)
+        except self._errors as e:
+            log.warning("unnamed conversation state %s not deleted: %s", key, e)
+
+    def _forget_state(self, key: StateKey) -> None:
+        try:
+            self.states.delete(key)
+        except StoreUnavailable as e:
+            log.warning("old conversation state %s not deleted: %s", key, e)
+
+    def _bound(self) -> None:
+        """Past max_sessions, drop the least recently used conversations (record and state)."""
+        try:
+            extra = int(self.client.zcard(self.lru_key)) - self.max_sessions
+            for member, _ in self.client.zpopmin(self.lru_key, extra) if extra > 0 else []:
+                raw = self.client.getdel(member)
+                st = json.loads(raw)["state"] if raw else None
+                key = None if st is None else StateKey(st["tenant"], st["content_hash"], st["model_hash"])
+                if key is not None and self._unref(keys=[self.refs_key], args=[_ref(key)]):
+                    self._forget_state(key)
+        except (*self._errors, ValueError, KeyError, TypeError) as e:
+            log.warning("conversation bound not applied: %s", e)
+
+    def _keep_locks(self) -> None:
+        """Extend the locks of the turns this process runs, three times per lock_ttl_s."""
+        while not self._closed.wait(self.lock_ms / 3000):
+            with self._mutex:
+                held = [(lock, t.token) for lock, t in self._turns.items()]
+            for lock, token in held:
+                try:
+                    self._renew(keys=[lock], args=[token, self.lock_ms])
+                except self._errors as e:
+                    log.warning("conversation lock %s not renewed: %s", lock, e)
+
+
+def _ref(key: StateKey | None) -> str:
+    return "" if key is None else f"{key.tenant}:{key.content_hash}:{key.model_hash}"
+
+
+def redis_tier(store: StateStore) -> RedisStore | None:
+    """The Redis backend of a state store (itself, inside the server's counting wrapper or a tier)."""
+    if isinstance(store, RedisStore):
+        return store
+    if isinstance(store, CountedStore):
+        return redis_tier(store.inner)
+    if isinstance(store, TieredStore):
+        return next((r for t in store.tiers if (r := redis_tier(t)) is not None), None)
+    return None
+
+
+def open_sessions(
+    spec: str, states: StateStore, *, max_sessions: int, max_state_bytes: int, lock_ttl_s: float
+) -> Conversations:
+    """'memory'; 'redis://HOST:PORT/DB'; 'auto' (the default): Redis, on the state store's server,
+    when the state store has a Redis tier, else memory."""
+    tier = redis_tier(states)
+    if spec == "memory" or (spec == "auto" and tier is None):
+        return SessionStore(max_sessions, max_state_bytes)
+    if spec == "auto":
+        client = tier.client
+    elif spec.startswith("redis://"):
+        if tier is None:
+            raise UsageError(
+                f"--sessions {spec} keeps conversations in Redis, but their states would stay in this process's "
+                "store, where other processes cannot read them: use --store redis://... as well"
+            )
+        import redis
+
+        client = redis.Redis.from_url(spec, socket_timeout=2.0, socket_connect_timeout=2.0)
+    else:
+        raise UsageError(f"unknown conversation store {spec!r}: use auto, memory or redis://HOST:PORT/DB")
+    return RedisSessionStore(client, states, max_sessions=max_sessions, lock_ttl_s=lock_ttl_s)

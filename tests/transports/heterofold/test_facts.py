@@ -1,0 +1,36 @@
+"""heterofold's fact-recall stage: relayed answers at f = 1 are the native answers in both layouts (the
+question inside the sender's context, or appended by the receiver), and the table counts what it says."""
+
+from conftest import zero_artifact
+from ctxrelay.data.needle import CALIBRATION_NEEDLES, NEEDLES
+from ctxrelay.transports.heterofold.facts import calibrate_facts, fact_table, facts_at
+
+
+def test_full_recompute_answers_as_native_in_both_layouts(tiny_by_family, tmp_path):
+    sender, receiver = tiny_by_family["llama"], tiny_by_family["gemma3"]
+    art = zero_artifact(sender, receiver)  # wrong everywhere: only f = 1 can reproduce native
+    res = calibrate_facts(sender, receiver, art, [0.0, 1.0], "mix", cases=2, tokens=160, new_tokens=6, root=tmp_path)
+    full = [r for r in res["rows"] if r["f"] == 1.0]
+    assert {r["question_inside"] for r in full} == {True, False}
+    assert all(r["answer"] == r["native_answer"] for r in full)
+    assert [e["f"] for e in res["facts"]] == [0.0, 1.0] and all(e["cases"] == 2 for e in res["facts"])
+    assert any(tmp_path.rglob("send-*.safetensors"))  # sender states cached for the next direction
+
+
+def test_fact_table_counts_kept_facts_among_native_right_ones():
+    rows = [
+        {"f": 0.2, "native_right": 1, "relay_right": 1},
+        {"f": 0.2, "native_right": 1, "relay_right": 0},
+        {"f": 0.2, "native_right": 0, "relay_right": 1},  # a relayed lucky guess is not a kept fact
+        {"f": 0.0, "native_right": 0, "relay_right": 0},
+    ]
+    table = fact_table(rows, "mix")
+    assert table[0] == {"f": 0.0, "selection": "mix", "cases": 1, "native_right": 0, "kept": 0, "fact_recall": None}
+    assert table[1]["native_right"] == 2 and table[1]["kept"] == 1 and table[1]["fact_recall"] == 0.5
+    assert facts_at({"facts": table}, 0.2) == {"fact_recall": 0.5, "native_right": 2, "kept": 1}
+    assert facts_at({}, 0.2) == {}
+
+
+def test_calibration_facts_are_never_the_benchmark_facts():
+    asked = {n.fact for n in NEEDLES} | {n.answer for n in NEEDLES}
+    assert not asked & ({n.fact for n in CALIBRATION_NEEDLES} | {n.answer for n in CALIBRATION_NEEDLES})
