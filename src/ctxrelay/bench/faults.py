@@ -152,6 +152,7 @@ def _writer(root: Path, ack_fd: int, tokens: int, keys: int, seed: int) -> None:
 @dataclass
 class KillReport:
     kills: int = 0
+    mid_write: int = 0  # kills that landed inside a write
     acknowledged: int = 0  # writes the killed processes had confirmed
     lost: int = 0  # confirmed keys absent after a kill (the worst audit)
     corrupt: int = 0  # entries that did not verify (the worst audit)
@@ -181,7 +182,10 @@ def kill_mid_write(root: Path, kills: int = 20, tokens: int = 4096, keys: int = 
         rep.acknowledged += len(done)
         confirmed |= {int(k) for k, _ in done}
         rep.kills += 1
-        rep.corrupt = max(rep.corrupt, audit(root).corrupt)
+        a = audit(root)
+        rep.mid_write += a.debris > rep.debris  # the killed writer left its temporary: it died inside a write
+        rep.debris = a.debris
+        rep.corrupt = max(rep.corrupt, a.corrupt)
         present = {key.content_hash for key in DiskStore(root, sweep_after_s=None).keys("acme")}
         rep.lost = max(rep.lost, sum(1 for k in confirmed if content_hash(f"document {k}") not in present))
     a = audit(root)

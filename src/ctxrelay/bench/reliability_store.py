@@ -9,6 +9,7 @@ how a request is served, never what it answers).
 
 from __future__ import annotations
 
+import errno
 import random
 import signal
 import subprocess
@@ -212,7 +213,8 @@ def disk_faults(pool: ModelPool, model: str, root: Path) -> Count:
                     c.fail(f"{fault} at {stage}: served {served_new} / {served_old}")
     finally:
         pool.store = kept
-    c.details = {"kinds": [f"disk {k}" for k in faults.ERRORS], "stages": list(faults.STAGES), "served": req.reasons}
+    kinds = [f"disk {k.replace('_', ' ')} ({errno.errorcode[e]})" for k, e in faults.ERRORS.items()]
+    c.details = {"kinds": kinds, "stages": list(faults.STAGES), "served": req.reasons}
     return c
 
 
