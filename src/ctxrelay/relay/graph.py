@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,7 +171,7 @@ class Profile:
             "native": {k: v.to_json() for k, v in self.native.items()},
             "edges": {k: v.to_json() for k, v in self.edges.items()},
         }
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes saving at once each rename a whole file
         tmp.write_text(json.dumps(d, indent=1))
         tmp.replace(path)
 
