@@ -149,6 +149,31 @@ def test_gate_relays_where_native_answered_no_calibration_fact(tiny_by_family, t
     assert d.transport == "heterofold" and "fact recall" not in d.reason  # no evidence either way: top-1 decides
 
 
+def test_gate_counts_the_relays_its_estimate_would_refuse(tiny_by_family, tmp_path):
+    """A point whose trusted per-request estimate refused most calibration texts would mostly pay a relay
+    and then native prefill: the gate drops it for its expected cost, not its best case."""
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    model = {"signal": "kv_change", "slope": -1.0, "centres": {"0.2": [0.1, 0.9]}, "spearman": -0.7}
+    rows = [{"f": 0.2, "kv_change": x} for x in (0.0, 0.3, 0.35, 0.4)]  # estimates 1.0, 0.7, 0.65, 0.6
+    quality = {"top1_agreement": 0.5, "recompute": [{"f": 0.2, "selection": "mix", "top1_agreement": 0.9}],
+               "estimate": model}  # fmt: skip
+    art = Artifact("heterofold", 1, model_binding(s), model_binding(r), {"w": torch.zeros(1)}, quality=quality,
+                   params={"recompute_stage": {"rows": rows}})  # fmt: skip
+    art.save(tmp_path / "e.safetensors")
+    prof = _profile(s, r, native_per_token=1e-3, relay_per_token=4e-4)  # the point alone would be 2.5x faster
+    key = edge_key("heterofold", s.spec.weights_hash, r.spec.weights_hash)
+    prof.edges[key + "@f=0.20 mix"] = prof.edges[key]
+    graph = TransportGraph.build([s, r], [tmp_path], prof)
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048, quality_threshold=0.8)
+    assert d.transport == "native"
+    assert any("refused 75% of the calibration texts" in x for x in d.rejected), d.rejected
+    rows[1:] = [{"f": 0.2, "kv_change": 0.05}] * 3  # estimates 0.95: it refuses none
+    art.save(tmp_path / "e.safetensors")
+    d = decide(TransportGraph.build([s, r], [tmp_path], prof), _state(s), r.spec.weights_hash, 2048,
+               quality_threshold=0.8)  # fmt: skip
+    assert d.transport == "heterofold" and d.point.label == "f=0.20 mix"
+
+
 def test_gate_refuses_when_relay_is_predicted_slower(tiny_by_family, tmp_path):
     s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
     _edge_artifact(tmp_path / "e.safetensors", s, r)

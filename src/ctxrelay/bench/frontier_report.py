@@ -168,17 +168,22 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 def _candidates(quality: dict, timing: dict, key: tuple, threshold: float, margin: float) -> list[tuple]:
-    """(rule, f, relay_s, native_s) of the points passing calibrated quality (top-1 and, where the artifact
-    measured it, fact recall) and measured speed, by f."""
+    """(rule, f, relay_s, native_s) of the points passing the gate's checks, by f: calibrated top-1 and
+    (where the artifact measured it) fact recall at the threshold, measured TTFT beating native by the
+    margin, also counting the relays a trusted per-request estimate refused on the calibration texts."""
+    from ctxrelay.relay.gate import expected_with_refusals
     from ctxrelay.transports.heterofold.facts import facts_at
+    from ctxrelay.transports.heterofold.recompute import calibrated_estimates
 
     out = []
     for p in sorted(quality.get("recompute", []), key=lambda p: p["f"]):
         t = timing.get((*key, p["selection"], p["f"]))
         recall = facts_at(quality, p["f"]).get("fact_recall")
-        if recall is not None and recall < threshold:
+        if not t or p["top1_agreement"] < threshold or (recall is not None and recall < threshold):
             continue
-        if p["top1_agreement"] >= threshold and t and t["relay_ttft_s"] * margin < t["native_ttft_s"]:
+        ests = calibrated_estimates(quality.get("estimate"), quality.get("recompute_rows", []), p["f"])
+        relay_s = expected_with_refusals(t["relay_ttft_s"], t["native_ttft_s"], ests, threshold)[0] if ests else 0
+        if max(relay_s, t["relay_ttft_s"]) * margin < t["native_ttft_s"]:
             out.append((p["selection"], p["f"], t["relay_ttft_s"], t["native_ttft_s"]))
     return out
 

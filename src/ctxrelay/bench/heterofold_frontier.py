@@ -349,7 +349,7 @@ def derived(rows: list[dict], arts: dict) -> dict:
     return {
         "directions": [list(d) for d in dirs],
         "estimate_check": estimate_check(rows, {d: a.quality.get("estimate") for d, a in arts.items()}),
-        "gate": gate_replay(rows, {d: a.quality for d, a in arts.items()}, DEFAULT_QUALITY, MIN_SPEEDUP),
+        "gate": gate_replay(rows, {d: _gated(a) for d, a in arts.items()}, DEFAULT_QUALITY, MIN_SPEEDUP),
         "calibrated": calibrated_points({d: a.quality for d, a in arts.items()}, DEFAULT_QUALITY),
         "summary": summarize(rows),
     }
@@ -364,6 +364,11 @@ def report(out: str) -> Path:
     path = write_results(out, doc["rows"], doc["command"], {**keep, **derived(doc["rows"], arts)})
     print(tables(read_results(path)))
     return plot(doc["rows"], path)
+
+
+def _gated(art) -> dict:
+    """What the gate replay reads of an artifact: its quality and the recompute stage's per-text rows."""
+    return {**art.quality, "recompute_rows": (art.params.get("recompute_stage") or {}).get("rows", [])}
 
 
 def _artifact(sender: str, receiver: str):

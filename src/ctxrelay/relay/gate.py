@@ -182,7 +182,23 @@ def _not_worth_it(c: Candidate, native_s: float | None, threshold: float, min_sp
         return "no cost profile for this edge (run `ctxrelay profile`)"
     if c.predicted_s * min_speedup >= native_s:
         return f"predicted {c.predicted_s:.2f} s is not {min_speedup:.2f}x below native prefill {native_s:.2f} s"
+    ests = c.point.quality.get("calibrated_estimates")
+    if ests:  # a request the estimate refuses pays the relay, then native prefill
+        expected, refused = expected_with_refusals(c.predicted_s, native_s, ests, threshold)
+        if expected * min_speedup >= native_s:
+            return (
+                f"expected {expected:.2f} s (the per-request estimate refused {refused:.0%} of the calibration "
+                f"texts, each a relay paid before native prefill) is not {min_speedup:.2f}x below native "
+                f"prefill {native_s:.2f} s"
+            )
     return None
+
+
+def expected_with_refusals(relay_s: float, native_s: float, estimates: list[float], threshold: float):
+    """(expected seconds, refused share): the relay always, plus native prefill for the share of
+    calibration texts the per-request estimate put below the threshold."""
+    refused = sum(e < threshold for e in estimates) / len(estimates)
+    return relay_s + refused * native_s, refused
 
 
 def _logged(d: Decision) -> Decision:

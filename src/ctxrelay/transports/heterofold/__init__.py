@@ -12,6 +12,7 @@ from pathlib import Path
 from ctxrelay.transports.base import Transport
 from ctxrelay.transports.heterofold.calibrate import METHODS, CalibConfig, calibrate
 from ctxrelay.transports.heterofold.facts import facts_at
+from ctxrelay.transports.heterofold.recompute import calibrated_estimates
 from ctxrelay.transports.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, identity_artifact, relay_prefill
 
 
@@ -23,13 +24,18 @@ class Heterofold(Transport):
 
     def operating_points(self, params: dict, quality: dict) -> list[dict]:
         """Plain translation, then each recompute fraction the artifact's faithful stage measured; each
-        with its fact recall where the fact stage measured it (the gate checks both)."""
+        with its fact recall where the fact stage measured it (the gate checks both) and, where the gate
+        acts on the per-request estimate, what it estimated for each calibration text at that f (the
+        share it would refuse is a relay paid before native prefill: the gate counts that cost)."""
         points = [{"label": "", "options": {}, "quality": {**quality, **facts_at(quality, 0.0)}}]
+        rows = (params.get("recompute_stage") or {}).get("rows", [])
         for q in sorted(quality.get("recompute", []), key=lambda q: q["f"]):
             if q["f"] > 0:
                 opts = {"recompute": q["f"], "selection": q["selection"]}
                 label = f"f={q['f']:.2f} {q['selection']}"
-                points.append({"label": label, "options": opts, "quality": {**q, **facts_at(quality, q["f"])}})
+                ests = calibrated_estimates(quality.get("estimate"), rows, q["f"])
+                extra = {"calibrated_estimates": ests} if ests else {}
+                points.append({"label": label, "options": opts, "quality": {**q, **facts_at(quality, q["f"]), **extra}})
         return points
 
     def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):

@@ -224,6 +224,15 @@ def estimate(model: dict | None, info: dict) -> float | None:
     return float(min(1.0, max(0.0, mean_top1 + model["slope"] * (float(info[model["signal"]]) - mean_signal))))
 
 
+def calibrated_estimates(model: dict | None, rows: list[dict], f: float) -> list[float]:
+    """What a trusted estimate said of each calibration text at fraction f (the recompute stage's rows);
+    empty where the gate does not act on the estimate."""
+    if not trusts(model):
+        return []
+    ests = (estimate(model, {**r, "requested_fraction": f}) for r in rows if abs(float(r["f"]) - f) < 1e-9)
+    return [e for e in ests if e is not None]
+
+
 def trusts(model: dict | None) -> bool:
     """Whether the artifact's estimate ranks requests well enough for the gate to act on it."""
     return bool(model) and abs(float(model.get("spearman", 0.0))) >= MIN_ESTIMATE_RHO
