@@ -4,6 +4,9 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("CTXRELAY_TEST_THREADS", "2")))
+# one store owner for the whole suite, whatever CTXRELAY_CACHE a test points at (seal.py); the
+# reliability tests that need their own key file take the `own_cache` fixture
+os.environ.setdefault("CTXRELAY_STORE_SECRET", "ctxrelay-test-suite")
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 
@@ -40,23 +43,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def zero_artifact(sender, receiver):
-    """Cross-family artifact whose maps output zeros: whatever survives is native (the sink)."""
-    from ctxrelay.artifact import Artifact, model_binding
-    from ctxrelay.transports.heterofold import ARTIFACT_VERSION, TRANSPORT
-    from ctxrelay.transports.heterofold.align import layer_sources
-    from ctxrelay.transports.heterofold.maps import AffineMap, FoldMaps
-    from ctxrelay.transports.heterofold.transfer import pair_params
+    """Cross-family artifact whose maps output zeros (ctxrelay.serve.testing, shared with the bench)."""
+    from ctxrelay.serve.testing import zero_artifact as make
 
-    sources = layer_sources(sender.spec.num_layers, receiver.spec.num_layers)
-    dx = 3 * sender.spec.num_kv_heads * sender.spec.head_dim
-    dy = receiver.spec.num_kv_heads * receiver.spec.head_dim
-    zero = AffineMap(torch.zeros(dy), weight=torch.zeros(dx, dy))
-    maps = FoldMaps(sources, {"k": [zero] * len(sources), "v": [zero] * len(sources)})
-    return Artifact(
-        TRANSPORT,
-        ARTIFACT_VERSION,
-        model_binding(sender),
-        model_binding(receiver),
-        maps.to_tensors(),
-        pair_params(sender, receiver, sources, method="zero", pairing="ta"),
-    )
+    return make(sender, receiver)
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A fresh cache for one test, so its store key (seal.py) and states are its own."""
+    monkeypatch.setenv("CTXRELAY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CTXRELAY_STORE_SECRET", raising=False)
+    return tmp_path / "cache"

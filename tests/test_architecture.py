@@ -10,7 +10,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "ctxrelay"
 
 # floor of each top-level module or package of ctxrelay (ARCHITECTURE.md)
 FLOORS = {
-    "errors": 1, "paths": 1, "timing": 1, "text": 1, "tensorfile": 1, "metrics": 1, "state": 1, "artifact": 1,
+    "errors": 1, "paths": 1, "timing": 1, "text": 1, "seal": 1, "tensorfile": 1, "metrics": 1, "state": 1,
+    "artifact": 1,
     "models": 2, "zoo": 2, "data": 2,
     "transports": 3,
     "relay": 4,

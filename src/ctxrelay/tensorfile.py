@@ -1,7 +1,9 @@
 """Tensors + JSON manifest in one safetensors file, written atomically and checksummed.
 
 Every file ctxrelay writes (context states, transport artifacts, disk-store entries) goes through
-here, so a truncated, corrupted or foreign file is always a clear `TensorFileError`.
+here, so a truncated, corrupted or foreign file is always a clear `TensorFileError`. Each manifest
+carries the tensors' sha256 and a keyed seal (seal.py) over both; reading checks the seal as the
+caller asks (`SEAL_MODES`): states and artifacts require it, work files accept an unsealed legacy one.
 """
 
 from __future__ import annotations
@@ -16,13 +18,22 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
+from ctxrelay import seal
 from ctxrelay.errors import CtxrelayError
 
 MANIFEST_KEY = "ctxrelay"
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on the JSON header
+# "required": only this owner's seal; "if_present": also an unsealed (legacy) file; "ignored": the
+# checksum only (files shipped inside the package, sealed by whoever built it)
+SEAL_MODES = ("required", "if_present", "ignored")
 
 
 class TensorFileError(CtxrelayError, ValueError):
     pass
+
+
+class SealError(TensorFileError):
+    """The file is intact as bytes but not sealed by this store's owner: its manifest or tensors were edited."""
 
 
 def payload_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -36,21 +47,36 @@ def payload_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def to_bytes(tensors: dict[str, torch.Tensor], manifest: dict) -> bytes:
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    manifest = dict(manifest, payload_sha256=payload_digest(tensors))
+    manifest = seal.sealed(dict(manifest, payload_sha256=payload_digest(tensors)))
     return save(tensors, metadata={MANIFEST_KEY: json.dumps(manifest)})
 
 
-def from_bytes(data: bytes, what: str = "data") -> tuple[dict[str, torch.Tensor], dict]:
+def _manifest(data: bytes) -> dict:
+    header_len = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or header_len > min(len(data) - 8, MAX_HEADER_BYTES):
+        raise ValueError(f"header of {header_len} bytes declared in {len(data)} bytes")
+    header = json.loads(data[8 : 8 + header_len])
+    manifest = json.loads(header["__metadata__"][MANIFEST_KEY])
+    if not isinstance(manifest, dict):
+        raise ValueError("the manifest is not a JSON object")
+    return manifest
+
+
+def from_bytes(data: bytes, what: str = "data", seal_mode: str = "if_present") -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors and manifest of a file's bytes, checked: safetensors layout, checksum, seal (`SEAL_MODES`)."""
+    if seal_mode not in SEAL_MODES:
+        raise ValueError(f"seal_mode must be one of {SEAL_MODES}, not {seal_mode!r}")
     try:
+        manifest = _manifest(data)
         tensors = load(data)
-        header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
-        manifest = json.loads(meta[MANIFEST_KEY])
-    except (SafetensorError, KeyError, ValueError, json.JSONDecodeError, IndexError) as e:
-        raise TensorFileError(f"{what} is not a ctxrelay tensor file or is damaged ({e})") from None
-    digest = payload_digest(tensors)
-    if manifest.get("payload_sha256") != digest:
+    except (SafetensorError, KeyError, TypeError, ValueError, RecursionError, OverflowError) as e:
+        raise TensorFileError(f"{what} is not a ctxrelay tensor file or is damaged ({str(e)[:200]})") from None
+    if manifest.get("payload_sha256") != payload_digest(tensors):
         raise TensorFileError(f"{what} is corrupted: tensor checksum does not match its manifest")
+    why = "" if seal_mode == "ignored" else seal.verify(manifest)
+    if why and not (why == "unsealed" and seal_mode == "if_present"):
+        raise SealError(f"{what} is refused: {why}")
+    manifest.pop("seal", None)
     return tensors, manifest
 
 
@@ -72,8 +98,18 @@ def write(path: str | Path, tensors: dict[str, torch.Tensor], manifest: dict) ->
     return path
 
 
-def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+def reseal(path: str | Path) -> Path:
+    """Rewrite an intact file (its checksum holds) under this owner's seal: for files written before
+    seals existed, or sealed with another secret the owner vouches for."""
+    return write(path, *read(path, "ignored"))
+
+
+def read(path: str | Path, seal_mode: str = "if_present") -> tuple[dict[str, torch.Tensor], dict]:
     path = Path(path)
-    if not path.exists():
-        raise TensorFileError(f"{path} does not exist")
-    return from_bytes(path.read_bytes(), str(path))
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise TensorFileError(f"{path} does not exist") from None
+    except IsADirectoryError:
+        raise TensorFileError(f"{path} is a directory, not a tensor file") from None
+    return from_bytes(data, str(path), seal_mode)

@@ -1,8 +1,11 @@
-"""Plain-text helpers shared by the data sets and the transports: sentences and content words."""
+"""Plain-text helpers shared by the data sets and the transports: sentences and content words; the
+one check of a text a user hands in."""
 
 from __future__ import annotations
 
 import re
+
+from ctxrelay.errors import UsageError
 
 _BOUNDARY = re.compile(r"(?<=[.!?])\s+|\n+")
 _WORD = re.compile(r"[0-9A-Za-z\u00c0-\uffff]+(?:['-][0-9A-Za-z\u00c0-\uffff]+)*")
@@ -36,3 +39,17 @@ def sentence_spans(text: str) -> list[tuple[int, int]]:
 def content_words(text: str) -> list[str]:
     """Lower-cased words without the function words ('copper-heron-42' stays one word)."""
     return [w for w in (m.group().lower() for m in _WORD.finditer(text)) if w not in STOPWORDS]
+
+
+def checked_text(text: object, what: str = "text", *, allow_empty: bool = False) -> str:
+    """`text` when it is a string that encodes as UTF-8 (no lone surrogates: what invalid UTF-8
+    becomes when decoded leniently) and, unless `allow_empty`, not empty; else a UsageError."""
+    if not isinstance(text, str):
+        raise UsageError(f"{what} must be a string, not {type(text).__name__}")
+    if not text and not allow_empty:
+        raise UsageError(f"{what} is empty: give the text to read")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{what} is not valid UTF-8 text (character {e.start} is a lone surrogate)") from None
+    return text

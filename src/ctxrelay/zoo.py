@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -22,10 +23,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ctxrelay import seal
 from ctxrelay.errors import CtxrelayError
 from ctxrelay.models.spec import LoadedModel, hash_state_dict, wrap
 from ctxrelay.paths import cache_dir
 
+log = logging.getLogger("ctxrelay.zoo")
 CONVERSION_VERSION = 1  # bump when the conversion changes what lands in the cache
 
 
@@ -103,14 +106,18 @@ def _manifest_path(name: str) -> Path:
     return model_dir(name) / "ctxrelay.json"
 
 
-def is_pulled(name: str) -> bool:
-    p = _manifest_path(name)
-    if not p.exists():
-        return False
+def _manifest(name: str) -> dict | None:
+    """The cache's manifest of a zoo model, or None where it is missing or unreadable (pull again)."""
     try:
-        return json.loads(p.read_text()).get("conversion_version") == CONVERSION_VERSION
-    except (OSError, json.JSONDecodeError):
-        return False
+        m = json.loads(_manifest_path(name).read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) else None
+
+
+def is_pulled(name: str) -> bool:
+    m = _manifest(name)
+    return m is not None and m.get("conversion_version") == CONVERSION_VERSION
 
 
 def _entry(name: str) -> ZooEntry:
@@ -223,6 +230,7 @@ def pull(name: str, install: bool = True, force: bool = False) -> Path:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _record(final, weights_signature(final), whash)  # what was just written was just hashed
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -260,12 +268,16 @@ def load(name_or_path: str | Path, dtype: torch.dtype = torch.float32, pull_miss
                 raise ZooError(f"{key} is not in the cache; run `ctxrelay zoo pull {key}`")
             pull(key)
         d = model_dir(key)
-        manifest = json.loads((d / "ctxrelay.json").read_text())
+        manifest = _manifest(key) or {}
+        before = weights_signature(d)
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
         tok = AutoTokenizer.from_pretrained(d)
-        whash = manifest["weights_hash"] if dtype == torch.float32 else None
-        return wrap(hf, tok, key, whash)
-    path = Path(key).expanduser()
+        whash, note = verified_hash(d, hf, manifest, before) if dtype == torch.float32 else (None, "")
+        m = wrap(hf, tok, key, whash)
+        if note:
+            m.extra["weights_note"] = note
+        return m
+    path = Path(check_source(key))
     if path.is_file() and path.suffix == ".gguf":
         hf, tok = _load_gguf(path)
         return wrap(hf.to(dtype), tok, path.stem)
@@ -273,9 +285,81 @@ def load(name_or_path: str | Path, dtype: torch.dtype = torch.float32, pull_miss
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tok = AutoTokenizer.from_pretrained(path)
         return wrap(hf, tok, path.name)
+    raise AssertionError("check_source admits only zoo names, model directories and GGUF files")
+
+
+def check_source(name: str | Path) -> str:
+    """A zoo name, or the path of a model directory (with config.json) or GGUF file; else a ZooError."""
+    key = str(name)
+    if key in ZOO:
+        return key
+    path = Path(key).expanduser()
+    if (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").exists()):
+        return str(path)
     raise ZooError(
         f"cannot load {key!r}: not a zoo name ({', '.join(ZOO)}), a directory with config.json, or a .gguf file"
     )
+
+
+# ---- what is loaded is what is hashed ------------------------------------------------------------
+
+VERIFIED = "ctxrelay.verified.json"
+
+
+def weights_signature(d: Path) -> list[list]:
+    """Name, size, inode, mtime and ctime of each weight file: any replacement or edit changes it
+    (ctime cannot be set back by a user)."""
+    sig = []
+    for p in sorted(d.glob("*.safetensors")):
+        st = p.stat()
+        sig.append([p.name, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns])
+    return sig
+
+
+def _record(d: Path, signature: list, weights_hash: str) -> None:
+    """Remember the hash of these files (a read-only cache just hashes on every load)."""
+    rec = seal.sealed({"signature": signature, "weights_hash": weights_hash})
+    tmp = d / f".{VERIFIED}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, d / VERIFIED)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log.warning("cannot record the weights hash in %s (%s); it is computed on every load", d, e)
+
+
+def _recorded(d: Path, signature: list) -> str | None:
+    """The weights hash recorded for exactly these files, under this owner's seal (else None)."""
+    try:
+        rec = json.loads((d / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or seal.verify(rec) or rec.get("signature") != signature:
+        return None
+    return rec.get("weights_hash")
+
+
+def verified_hash(d: Path, hf, manifest: dict, before: list) -> tuple[str, str]:
+    """The weights hash of the model as loaded, and a note when it is not the one the manifest records.
+
+    The state dict is hashed unless a sealed record says these very files (same signature before and
+    after the load) were hashed already, so a checkpoint swapped under the cache gets its own hash:
+    artifacts and states bound to the original are then refused, not silently misapplied."""
+    after = weights_signature(d)
+    whash = _recorded(d, after) if after == before else None
+    if whash is None:
+        whash = hash_state_dict(hf)
+        if after == before:
+            _record(d, after, whash)
+    if whash != manifest.get("weights_hash"):
+        note = (
+            f"the weights in {d} (hash {whash[:12]}) are not the checkpoint the cache's manifest records "
+            f"({str(manifest.get('weights_hash'))[:12]}): artifacts calibrated for it will not be used; "
+            f"`ctxrelay zoo pull {d.name} --force` restores it"
+        )
+        log.warning(note)
+        return whash, note
+    return whash, ""
 
 
 def status_rows() -> list[dict]:

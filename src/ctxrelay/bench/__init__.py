@@ -19,6 +19,7 @@ BENCHES = {
     "heterofold-frontier": "ctxrelay.bench.heterofold_frontier",
     "load": "ctxrelay.bench.load",
     "router": "ctxrelay.bench.router",
+    "reliability": "ctxrelay.bench.reliability",
 }
 
 

@@ -48,23 +48,45 @@ class DemoConfig:
     question: str = ""
     profile_lengths: tuple[int, ...] = field(default=())  # default: tokens/4, tokens/2, tokens
 
+    def check(self, models: bool = True) -> None:
+        """Refuse bad options before any model loads (a UsageError or ZooError names the option)."""
+        from ctxrelay import zoo
+
+        if not self.receivers:
+            raise UsageError("--receivers names no model")
+        if self.tokens < 1 or self.max_new_tokens < 1:
+            raise UsageError(
+                f"--tokens and --max-new-tokens must be positive (got {self.tokens}, {self.max_new_tokens})"
+            )
+        if not 0.0 <= self.depth <= 1.0 or not 0.0 <= self.quality_threshold <= 1.0:
+            raise UsageError("--depth and --quality-threshold must lie in [0, 1]")
+        if self.context_file is not None:
+            _read_context(self)
+        for name in (self.sender, *self.receivers) if models else ():
+            zoo.check_source(name)
+
 
 def text_for(model, n: int) -> str:
     """Profile texts: training-split essays (never the demo's held-out haystack)."""
     return essay_haystack(model.tokenizer, n, split="train", seed=1)
 
 
+def _read_context(cfg: DemoConfig) -> str:
+    if not cfg.question.strip():
+        raise UsageError("--context needs --question: what should the receivers answer about it?")
+    try:
+        text = Path(cfg.context_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read --context {cfg.context_file}: {e}") from None
+    if not text.strip():
+        raise UsageError(f"--context {cfg.context_file} is empty")
+    return text
+
+
 def demo_prompt(cfg: DemoConfig, sender) -> tuple[str, str | None, str]:
     """(prompt the sender reads, gold answer or None, what the context is)."""
     if cfg.context_file is not None:
-        if not cfg.question.strip():
-            raise UsageError("--context needs --question: what should the receivers answer about it?")
-        try:
-            text = Path(cfg.context_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read --context {cfg.context_file}: {e}") from None
-        if not text.strip():
-            raise UsageError(f"--context {cfg.context_file} is empty")
+        text = _read_context(cfg)
         return text.rstrip() + QUESTION_FORMAT.format(question=cfg.question.strip()), None, str(cfg.context_file)
     case = make_needle_case(essay_haystack(sender.tokenizer, cfg.tokens, "heldout", cfg.seed), cfg.depth, cfg.seed)
     what = f"{cfg.tokens}-token held-out essay excerpt, fact at depth {case.depth:.2f}"
@@ -75,6 +97,7 @@ def run_demo(
     cfg: DemoConfig, console: Console, json_path: Path | None, command: str, pool: ModelPool | None = None
 ) -> list[dict]:
     """The demo on the zoo models (or on the models of a given pool: the tests use tiny ones)."""
+    cfg.check(models=pool is None)
     console.rule("[bold]ctxrelay demo")
     if pool is None:
         pool = ModelPool(quality_threshold=cfg.quality_threshold)

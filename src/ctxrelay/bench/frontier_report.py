@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 from ctxrelay.bench.results import machine_facts, read_results
+from ctxrelay.bench.results import markdown_table as _markdown
 from ctxrelay.errors import UsageError
 
 SAME_MACHINE = ("cpu_model", "cores", "torch_threads", "device", "torch")
@@ -266,10 +267,6 @@ def _needles(x: dict) -> str:
     if not n:
         return "-"
     return f"{round(x['needle_acc'] * n)}/{n} ({round(x.get('native_needle_acc', 0) * n)})"
-
-
-def _markdown(head: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def tables(doc: dict, rules: set[str] | None = None) -> str:

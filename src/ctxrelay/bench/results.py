@@ -129,6 +129,11 @@ def write_results(name: str, rows: list[dict], command: str, extra: dict | None 
     return path
 
 
+def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a markdown table."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
 def read_results(name_or_path: str | Path) -> dict:
     path = Path(name_or_path)
     if path.suffix != ".json":

@@ -30,6 +30,7 @@ class ModelSpec:
     layer_types: list[str]  # per layer; selects the RoPE table on families that have several
     weights_hash: str
     tokenizer_hash: str
+    context_window: int | None = None  # positions the model was trained for (None: not stated)
 
 
 @dataclass
@@ -106,6 +107,7 @@ def build_spec(
         layer_types=layer_types,
         weights_hash=weights_hash or hash_state_dict(hf),
         tokenizer_hash=hash_tokenizer(tok),
+        context_window=getattr(cfg, "max_position_embeddings", None),
     )
 
 

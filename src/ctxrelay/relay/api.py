@@ -22,15 +22,16 @@ import torch
 
 from ctxrelay import paths, transports, zoo
 from ctxrelay.artifact import Artifact
-from ctxrelay.errors import BindingError, CtxrelayError
+from ctxrelay.errors import BindingError, CtxrelayError, UsageError
 from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state, extend_state
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
-from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP, Decision, decide, reason_for
+from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP, Decision, decide, reason_for, requestable
 from ctxrelay.relay.graph import Profile, TransportGraph
 from ctxrelay.relay.store import StateKey, StateStore, StoreUnavailable, open_store
 from ctxrelay.state import ContextState, content_hash
+from ctxrelay.text import checked_text
 from ctxrelay.transports import RelayOutput
 
 log = logging.getLogger("ctxrelay.relay")
@@ -120,7 +121,9 @@ class ModelPool:
 
         `extend`: a state of this sender whose text `text` continues; only the added tokens are read
         where that gives the same state (capture.extend_state), else the whole text."""
+        checked_text(text)
         m = self.model(sender)
+        check_window(m, len(context_ids(m, text)))
         by_transport: dict[str, list[dict]] = {}
         for e in self.graph.edges_from(m.spec.weights_hash):
             by_transport.setdefault(e.transport, []).append(e.params)
@@ -157,6 +160,9 @@ class ModelPool:
         """Continue `context` (a state, or the text whose state a sender left in the store) on `receiver`.
 
         `on_token` sees each generated token as soon as it is chosen (for streaming)."""
+        check_request(context if isinstance(context, str) else context.text, suffix, max_new_tokens, temperature)
+        if transport not in requestable():
+            raise UsageError(f"transport must be one of {', '.join(requestable())}, not {transport!r}")
         r = self.model(receiver)
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
@@ -167,6 +173,7 @@ class ModelPool:
             timings["gate_s"] = time.perf_counter() - tg
             return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, on_token=on_token)
         n_ctx = len(context_ids(r, text))
+        check_window(r, n_ctx + len(suffix), max_new_tokens)
         threshold = self.quality_threshold if quality_threshold is None else quality_threshold
         d = decide(
             self.graph,
@@ -234,6 +241,7 @@ class ModelPool:
 
     def native(self, receiver: str, text: str, suffix: str = "", **kw) -> RelayResult:
         """The reference: the receiver prefills context + suffix itself."""
+        check_request(text, suffix, kw.get("max_new_tokens", 32), kw.get("temperature", 0.0))
         r = self.model(receiver)
         ids = suffix_ids(r, suffix)
         return self._native(r, text, ids, time.perf_counter(), {}, "native prefill requested", **kw)
@@ -281,6 +289,7 @@ class ModelPool:
     ) -> RelayResult:
         tp = time.perf_counter()
         ids = context_ids(r, text)
+        check_window(r, len(ids) + len(suffix), max_new_tokens)
         out = runner.forward(r, torch.cat([ids, suffix]))
         timings["prefill_s"] = time.perf_counter() - tp
         tf = time.perf_counter()
@@ -299,6 +308,26 @@ class ModelPool:
             timings=timings,
             decision=decision,
             first_logits=out.logits[-1],
+        )
+
+
+def check_request(text: str, suffix: str, max_new_tokens: int, temperature: float) -> None:
+    """The request's own fields, before any model runs (a UsageError says which is wrong)."""
+    checked_text(text, "context")
+    checked_text(suffix, "suffix", allow_empty=True)
+    if type(max_new_tokens) is not int or max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}")
+    if not isinstance(temperature, int | float) or not 0.0 <= temperature < float("inf"):
+        raise UsageError(f"temperature must be a finite number >= 0, not {temperature!r}")
+
+
+def check_window(m: LoadedModel, n_tokens: int, max_new_tokens: int = 0) -> None:
+    """Refuse a prompt (plus the tokens to generate) longer than the model's context window."""
+    window = m.spec.context_window
+    if window is not None and n_tokens + max_new_tokens > window:
+        raise UsageError(
+            f"{m.spec.name} reads at most {window} tokens; this request needs {n_tokens} "
+            f"+ {max_new_tokens} to generate: shorten the text or ask for fewer tokens"
         )
 
 

@@ -122,6 +122,9 @@ def decide(
     if not edges:
         want = "" if requested == "auto" else f"{requested} "
         d.reason = f"no calibrated {want}artifact for this sender -> receiver pair"
+        refused = [graph.swapped[h] for h in (state.binding.weights_hash, receiver_hash) if h in graph.swapped]
+        if refused:
+            d.reason += " (refused: " + "; ".join(refused) + ")"
         return _logged(d)
 
     for e in edges:

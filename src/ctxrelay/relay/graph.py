@@ -10,6 +10,8 @@ non-negative coefficients, so a prediction never goes below the fixed overhead a
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +59,23 @@ class CostModel:
 
     @staticmethod
     def from_json(d: dict) -> CostModel:
-        return CostModel(d["coeffs"], [(int(n), dict(x)) for n, x in d.get("samples", [])])
+        """A stored cost model, checked: three finite coefficients per component, samples of (tokens, seconds)."""
+        coeffs, samples = d["coeffs"], d.get("samples", [])
+        if not isinstance(coeffs, dict) or not isinstance(samples, list):
+            raise ValueError("coeffs must be an object and samples a list")
+        for c, v in coeffs.items():
+            if not isinstance(v, list) or len(v) != 3 or not all(_finite(x) for x in v):
+                raise ValueError(f"component {c!r} needs three finite coefficients")
+        out = []
+        for n, x in samples:
+            if type(n) is not int or not isinstance(x, dict) or not all(_finite(t) for t in x.values()):
+                raise ValueError("a sample is [tokens, {component: seconds}]")
+            out.append((n, dict(x)))
+        return CostModel({c: [float(a) for a in v] for c, v in coeffs.items()}, out)
+
+
+def _finite(x) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
 
 
 @dataclass
@@ -124,14 +142,27 @@ class Profile:
         if not path.exists():
             return Profile()
         try:
-            d = json.loads(path.read_text())
+            data = path.read_bytes()
+        except OSError as e:
+            raise UsageError(f"cost profile {path} is unreadable ({e}); rerun `ctxrelay profile`") from None
+        return Profile.from_json_bytes(data, str(path))
+
+    @staticmethod
+    def from_json_bytes(data: bytes, what: str = "cost profile") -> Profile:
+        """A profile.json's content; anything but a well-formed profile is one UsageError."""
+        try:
+            d = json.loads(data.decode("utf-8"))
+            sections = ("native", "edges", "machine")
+            if not isinstance(d, dict) or not all(isinstance(d.get(k, {}), dict) for k in sections):
+                raise ValueError("native, edges and machine must be JSON objects")
             return Profile(
                 {k: CostModel.from_json(v) for k, v in d.get("native", {}).items()},
                 {k: CostModel.from_json(v) for k, v in d.get("edges", {}).items()},
                 d.get("machine", {}),
             )
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise UsageError(f"cost profile {path} is unreadable ({e}); rerun `ctxrelay profile`") from None
+        except (KeyError, TypeError, ValueError, RecursionError, OverflowError) as e:  # JSON and Unicode errors too
+            msg = str(e)[:200]
+            raise UsageError(f"cost profile {what} is unreadable ({msg}); rerun `ctxrelay profile`") from None
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,9 +171,28 @@ class Profile:
             "native": {k: v.to_json() for k, v in self.native.items()},
             "edges": {k: v.to_json() for k, v in self.edges.items()},
         }
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes saving at once each rename a whole file
         tmp.write_text(json.dumps(d, indent=1))
         tmp.replace(path)
+
+
+def _not_in_pool(art: Artifact, nodes: dict[str, Node], swapped: dict[str, str]) -> str:
+    """Why an artifact's models are not the pool's: absent, or loaded with other weights under the same
+    name (recorded in `swapped` by the loaded model's hash)."""
+    why = []
+    for role, b in (("sender", art.sender), ("receiver", art.receiver)):
+        if b["weights_hash"] in nodes:
+            continue
+        other = next((n for n in nodes.values() if n.name == b["name"]), None)
+        if other is None:
+            why.append(b["name"])
+            continue
+        why.append(
+            f"{art.transport} artifact's {role} {b['name']} has weights {b['weights_hash'][:12]}, the loaded "
+            f"{b['name']} has {other.weights_hash[:12]}: a different checkpoint"
+        )
+        swapped[other.weights_hash] = why[-1]
+    return "calibrated for model versions not in the pool (" + "; ".join(why) + ")"
 
 
 def _with_points(edge: Edge, t, profile: Profile) -> Edge:
@@ -159,6 +209,8 @@ class TransportGraph:
     nodes: dict[str, Node]  # weights hash -> node
     edges: list[Edge]
     skipped: list[str] = field(default_factory=list)  # artifacts found but not usable, with why
+    # loaded weights hash -> why an artifact calibrated for another checkpoint of that model was refused
+    swapped: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
     def build(
@@ -171,7 +223,7 @@ class TransportGraph:
             )
             for m in models
         }
-        edges, skipped = [], []
+        edges, skipped, swapped = [], [], {}
         for path in sorted({p for d in artifact_dirs if d.exists() for p in d.glob("*.safetensors")}):
             try:
                 art = load(path)
@@ -181,8 +233,7 @@ class TransportGraph:
                 continue
             s, r = art.sender["weights_hash"], art.receiver["weights_hash"]
             if s not in nodes or r not in nodes:
-                missing = [b["name"] for b, h in ((art.sender, s), (art.receiver, r)) if h not in nodes]
-                skipped.append(f"{path.name}: calibrated for model versions not in the pool ({', '.join(missing)})")
+                skipped.append(f"{path.name}: {_not_in_pool(art, nodes, swapped)}")
                 continue
             edge = Edge(art.transport, art.sender, art.receiver, path, art.quality, art.params, exact=t.exact)
             edges.append(_with_points(edge, t, profile))
@@ -192,7 +243,7 @@ class TransportGraph:
                     if t.implicit_edge(a.spec, b.spec):
                         edge = Edge(t.name, model_binding(a), model_binding(b), None, {}, {}, exact=t.exact)
                         edges.append(_with_points(edge, t, profile))
-        return TransportGraph(nodes, edges, skipped)
+        return TransportGraph(nodes, edges, skipped, swapped)
 
     def edges_between(self, sender_hash: str, receiver_hash: str) -> list[Edge]:
         return [

@@ -15,6 +15,7 @@ failures raise `StoreUnavailable`; the relay turns them into native prefill, nev
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -214,10 +215,28 @@ class MemoryStore(StateStore):
 
 
 class DiskStore(StateStore):
+    """One sealed file per state; a write goes to a temporary file renamed into place (tensorfile.write),
+    so a reader sees the old entry or the new one. Temporaries a killed writer left are never read as
+    entries; opening the store removes those older than `sweep_after_s` (None: keep them)."""
+
     name = "disk"
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, sweep_after_s: float | None = 3600.0):
         self.root = Path(root)
+        if sweep_after_s is not None:
+            self.sweep(sweep_after_s)
+
+    def sweep(self, older_than_s: float) -> int:
+        """Delete the temporaries of writes that never finished (older than `older_than_s`); returns how many."""
+        now, removed = time.time(), 0
+        for p in self.root.glob("*/.*.tmp") if self.root.is_dir() else []:
+            try:
+                if now - p.stat().st_mtime >= older_than_s:
+                    p.unlink()
+                    removed += 1
+            except OSError:
+                continue  # another process finished or removed it
+        return removed
 
     def _path(self, key: StateKey) -> Path:
         if "/" in key.tenant or key.tenant.startswith("."):
@@ -250,8 +269,9 @@ class DiskStore(StateStore):
         d = self.root / tenant
         out = []
         for p in sorted(d.glob("*.safetensors")) if d.exists() else []:
-            content, model = p.stem.split("-", 1)
-            out.append(StateKey(tenant, content, model))
+            content, sep, model = p.stem.partition("-")
+            if sep:  # anything else in the folder is not an entry
+                out.append(StateKey(tenant, content, model))
         return out
 
 
@@ -261,11 +281,17 @@ class DiskStore(StateStore):
 class RedisStore(StateStore):
     name = "redis"
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "ctxrelay:state", ttl_s: int | None = None):
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        prefix: str = "ctxrelay:state",
+        ttl_s: int | None = None,
+        timeout_s: float = 2.0,
+    ):
         import redis
 
         self._redis_errors = (redis.exceptions.RedisError, OSError)
-        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.prefix, self.ttl_s = prefix, ttl_s
 
     def _k(self, key: StateKey) -> str:

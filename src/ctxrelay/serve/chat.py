@@ -14,6 +14,7 @@ from typing import Any
 
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.serve.errors import ApiError
+from ctxrelay.text import checked_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 GENERATION_PROMPT = "assistant:"
@@ -24,13 +25,13 @@ def content_text(content: Any, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return checked_text(content, where, allow_empty=True)
     if isinstance(content, list):
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ApiError(400, f"{where}: only text content parts are supported", param=where)
-            texts.append(part["text"])
+            texts.append(checked_text(part["text"], where, allow_empty=True))
         return "".join(texts)
     raise ApiError(400, f"{where}: content must be a string or a list of text parts", param=where)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ctxrelay.errors import UsageError
 from ctxrelay.models.tokens import suffix_ids
 from ctxrelay.relay.api import ModelPool, RelayResult
 from ctxrelay.serve.chat import render, transcript
@@ -128,7 +129,8 @@ class Engine:
         report["prefilled_tokens"] = n_suffix if res.transport != "native" else prompt_tokens
         if session is not None:
             report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
-            report["capture_extended_from"] = session.state.meta.get("extended_from")  # None: a full prefill
+            # None: a full prefill (or no state: the conversation outgrew the window)
+            report["capture_extended_from"] = session.state.meta.get("extended_from") if session.state else None
         return Served(res, report, prompt_tokens)
 
     def _leave_state(self, session: Session, model: str, tenant: str, messages: list[dict], reply: str) -> float:
@@ -139,7 +141,10 @@ class Engine:
         t = time.perf_counter()
         turn = [*messages, {"role": "assistant", "content": reply}]
         own = session.state if session.model == model else None  # the same model reads only what was added
-        session.state = self.pool.prefill(model, transcript(turn), tenant, store=False, extend=own)
+        try:
+            session.state = self.pool.prefill(model, transcript(turn), tenant, store=False, extend=own)
+        except UsageError:  # the conversation outgrew the model's window: this reply stands, the next turn is refused
+            session.state = None
         session.model, session.messages = model, turn
         session.turns += 1
         return time.perf_counter() - t
