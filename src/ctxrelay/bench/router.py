@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from ctxrelay import paths
 from ctxrelay.bench.load import percentile
+from ctxrelay.bench.plots import plot_path
 from ctxrelay.bench.results import write_results
 from ctxrelay.data.datasets import Conversation, sharegpt_conversations
 from ctxrelay.errors import UsageError
@@ -45,8 +46,9 @@ from ctxrelay.models.tokens import tokenize_context
 
 OPTIONS = {"large": "qwen2.5-coder-1.5b", "small": "gemma3-270m", "conversations": 50, "max_turns": 4,
            "max_tokens": 2000, "turn_chars": 1500, "rate": 0.05, "think_s": 10.0, "sigma": 0.3,
-           "reply_tokens": 32, "seeds": 5, "taus": 7, "slo_s": 5.0,
+           "reply_tokens": 32, "seeds": 5, "taus": 7, "slo_s": 5.0, "thresholds": "0.85,0.75",
            "rates": "0.02,0.04,0.06,0.08,0.1,0.15,0.2"}  # fmt: skip
+# thresholds: the gate's default (protective) and one that admits relays losing some facts (for comparison)
 MODES = ("native", "full", "relay")
 
 
@@ -234,7 +236,7 @@ def sweep(facts: dict, costs: Costs, opts: dict, large: str, small: str) -> tupl
         a.score - b.score for cid in facts[large] for a, b in zip(facts[large][cid], facts[small][cid], strict=True)
     )
     k = int(opts["taus"])
-    taus = [margins[min(len(margins) - 1, round(q * (len(margins) - 1) / (k + 1)))] for q in range(1, k + 1)]
+    taus = sorted({margins[min(len(margins) - 1, round(q * (len(margins) - 1) / (k + 1)))] for q in range(1, k + 1)})
     rows, samples = [], {}
     for tau in taus:
         per_mode: dict[str, list[dict]] = {m: [] for m in MODES}
@@ -275,20 +277,18 @@ def max_rate(facts: dict, costs: Costs, opts: dict, large: str, small: str, tau:
     return best
 
 
-def measured_costs(pool, large: str, small: str) -> Costs:
-    """Native cost models from the profile, relay predictions from the gate at each length, decode
-    seconds per token measured now."""
+def measured_costs(pool, large: str, small: str, threshold: float, decode_s: dict[str, float]) -> Costs:
+    """Native cost models from the profile, relay predictions from the gate at each length (at this
+    quality threshold), decode seconds per token as measured."""
     from ctxrelay.models.capture import capture_state
     from ctxrelay.relay.gate import decide
 
-    native, decode_s = {}, {}
+    native = {}
     for name in (large, small):
-        m = pool.model(name)
-        cost = pool.graph.nodes[m.spec.weights_hash].native_cost
+        cost = pool.graph.nodes[pool.model(name).spec.weights_hash].native_cost
         if cost is None:
             raise UsageError(f"no native cost profile for {name}: run `ctxrelay profile` (or `ctxrelay demo`) first")
         native[name] = cost
-        decode_s[name] = decode_seconds(m)
     relay = {}
     for s_name, r_name in ((large, small), (small, large)):
         s, r = pool.model(s_name), pool.model(r_name)
@@ -297,7 +297,7 @@ def measured_costs(pool, large: str, small: str) -> Costs:
         def predict(n: int, state=state, r=r, memo: dict = {}) -> float | None:  # noqa: B006 (one memo per edge)
             key = 64 * max(1, round(n / 64))
             if key not in memo:
-                d = decide(pool.graph, state, r.spec.weights_hash, key, quality_threshold=pool.quality_threshold)
+                d = decide(pool.graph, state, r.spec.weights_hash, key, quality_threshold=threshold)
                 memo[key] = d.predicted_relay_s if d.transport != "native" else None
             return memo[key]
 
@@ -344,7 +344,7 @@ def bench(
     options: dict | None = None,
     command: str = "",
 ) -> Path:
-    """Score, measure decode, simulate -> benchmarks/results/OUT.json + OUT.png."""
+    """Score, measure decode, simulate at each quality threshold -> OUT.json + OUT-q<threshold>.png."""
     from ctxrelay.relay.api import ModelPool
 
     unknown = sorted(set(options or {}) - set(OPTIONS))
@@ -358,19 +358,27 @@ def bench(
     pool = ModelPool([large, small])
     convs = pick_conversations([pool.model(large).tokenizer, pool.model(small).tokenizer], opts)
     facts = {name: scored(pool.model(name), convs, opts) for name in (large, small)}
-    costs = measured_costs(pool, large, small)
-    rows, samples = sweep(facts, costs, opts, large, small)
-    top_tau = max(rows, key=lambda r: r["p"])["tau"]
-    by = {(r["tau"], r["method"]): r for r in rows}
-    p90s = [(by[(t, "router-native")]["ttft_p90_s"], by[(t, "router-relay")]["ttft_p90_s"]) for t in samples]
+    decode_s = {name: decode_seconds(pool.model(name)) for name in (large, small)}
+    rows, samples, rates, bar = [], {}, {}, {}
+    for q in [float(x) for x in str(opts["thresholds"]).split(",") if x]:
+        costs = measured_costs(pool, large, small, q, decode_s)
+        part, smp = sweep(facts, costs, opts, large, small)
+        for r in part:
+            r["quality_threshold"] = q
+        rows += part
+        top_tau = max(part, key=lambda r: r["p"])["tau"]
+        by = {(r["tau"], r["method"]): r for r in part}
+        p90s = [(by[(t, "router-native")]["ttft_p90_s"], by[(t, "router-relay")]["ttft_p90_s"]) for t in smp]
+        rates[str(q)] = {"tau": top_tau, **max_rate(facts, costs, opts, large, small, top_tau)}
+        bar[str(q)] = {"relay_p90_le_native_at_every_p": all(r <= n for n, r in p90s),
+                       "relay_p90_cut_at_largest_p": 1 - by[(top_tau, "router-relay")]["ttft_p90_s"]
+                       / by[(top_tau, "router-native")]["ttft_p90_s"]}  # fmt: skip
+        samples[q] = smp
     extra = {
         "options": opts, "conversations": len(convs), "turns_per_seed": sum(len(f) for f in facts[large].values()),
-        "decode_s_per_token": costs.decode_s,
-        "max_rate_under_slo": max_rate(facts, costs, opts, large, small, top_tau), "max_rate_tau": top_tau,
-        "bar": {"relay_p90_le_native_at_every_p": all(r <= n for n, r in p90s),
-                "relay_p90_cut_at_largest_p": 1 - by[(top_tau, "router-relay")]["ttft_p90_s"]
-                / by[(top_tau, "router-native")]["ttft_p90_s"]},
+        "decode_s_per_token": decode_s, "max_rate_under_slo": rates, "bar": bar,
     }  # fmt: skip
     path = write_results(out, rows, command, extra)
-    plot(rows, samples, path.with_suffix(".png"))
+    for q, smp in samples.items():
+        plot([r for r in rows if r["quality_threshold"] == q], smp, plot_path(path, f"-q{q:g}"))
     return path
