@@ -297,7 +297,7 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
     heads = ["direction", "f", "signal", "requests", "Spearman top-1", "questions", "Spearman needle"]
     lines += ["", *_markdown(heads, est)]
     cal = [
-        [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", _cell(x.get("top1_agreement")),
+        [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", _cell(x.get("top1_agreement"), ".3f"),
          "-" if x.get("native_right") is None else f"{x['kept']}/{x['native_right']} of {x['cases']}",
          _cell(x.get("fact_recall")), "yes" if x["passes"] else "no"]
         for x in doc.get("calibrated", [])
