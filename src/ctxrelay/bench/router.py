@@ -45,9 +45,9 @@ from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import tokenize_context
 
 OPTIONS = {"large": "qwen2.5-coder-1.5b", "small": "gemma3-270m", "conversations": 50, "max_turns": 4,
-           "max_tokens": 2000, "turn_chars": 1500, "rate": 0.05, "think_s": 10.0, "sigma": 0.3,
+           "max_tokens": 2000, "turn_chars": 1500, "rate": 0.01, "think_s": 10.0, "sigma": 0.3,
            "reply_tokens": 32, "seeds": 5, "taus": 7, "slo_s": 5.0, "thresholds": "0.85,0.75",
-           "rates": "0.02,0.04,0.06,0.08,0.1,0.15,0.2"}  # fmt: skip
+           "rates": "0.0025,0.005,0.0075,0.01,0.015,0.02,0.03"}  # fmt: skip
 # thresholds: the gate's default (protective) and one that admits relays losing some facts (for comparison)
 MODES = ("native", "full", "relay")
 
@@ -255,9 +255,15 @@ def sweep(facts: dict, costs: Costs, opts: dict, large: str, small: str) -> tupl
                          "small_share": sum(x["model"] == small for x in turns) / len(turns),
                          "relayed_turns": sum(x["how"] == "relay" for x in turns),
                          "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
-                         "ttft_mean_s": statistics.mean(ttft)})  # fmt: skip
+                         "ttft_mean_s": statistics.mean(ttft),
+                         "small_ttft_p90_s": percentile(_ttfts(turns, small), 90),
+                         "large_ttft_p90_s": percentile(_ttfts(turns, large), 90)})  # fmt: skip
         samples[tau] = {m: [x["ttft_s"] for x in t] for m, t in per_mode.items()}
     return rows, samples
+
+
+def _ttfts(turns: list[dict], model: str) -> list[float]:
+    return [x["ttft_s"] for x in turns if x["model"] == model]
 
 
 def max_rate(facts: dict, costs: Costs, opts: dict, large: str, small: str, tau: float) -> dict[str, float | None]:
@@ -372,7 +378,9 @@ def bench(
         rates[str(q)] = {"tau": top_tau, **max_rate(facts, costs, opts, large, small, top_tau)}
         bar[str(q)] = {"relay_p90_le_native_at_every_p": all(r <= n for n, r in p90s),
                        "relay_p90_cut_at_largest_p": 1 - by[(top_tau, "router-relay")]["ttft_p90_s"]
-                       / by[(top_tau, "router-native")]["ttft_p90_s"]}  # fmt: skip
+                       / by[(top_tau, "router-native")]["ttft_p90_s"],
+                       "relay_small_model_p90_cut_at_largest_p": 1 - by[(top_tau, "router-relay")]["small_ttft_p90_s"]
+                       / by[(top_tau, "router-native")]["small_ttft_p90_s"]}  # fmt: skip
         samples[q] = smp
     extra = {
         "options": opts, "conversations": len(convs), "turns_per_seed": sum(len(f) for f in facts[large].values()),
