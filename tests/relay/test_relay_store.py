@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from ctxrelay.bench import faults
 from ctxrelay.relay.store import (
     DiskStore,
     MemoryStore,
@@ -13,20 +14,12 @@ from ctxrelay.relay.store import (
     TieredStore,
     open_store,
 )
-from ctxrelay.state import Binding, BindingError, ContextState
+from ctxrelay.state import BindingError, ContextState
 from local_redis import start_redis
 
 
 def make_state(text: str, tenant: str = "acme", kv_tokens: int = 64) -> ContextState:
-    g = torch.Generator().manual_seed(len(text))
-    return ContextState(
-        text=text,
-        tokens=torch.arange(kv_tokens),
-        offsets=torch.stack([torch.arange(kv_tokens), torch.arange(kv_tokens) + 1], 1),
-        binding=Binding("m", "w" * 64, "t" * 64, tenant),
-        keys_pre_rope=torch.randn(2, kv_tokens, 2, 8, generator=g),
-        values=torch.randn(2, kv_tokens, 2, 8, generator=g),
-    )
+    return faults.make_state(text, tenant, tokens=kv_tokens)
 
 
 def same(a: ContextState, b: ContextState) -> bool:

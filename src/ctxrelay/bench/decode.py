@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from ctxrelay.bench.native import essay_ids, model_names
 from ctxrelay.bench.plots import line_plot, plot_path
-from ctxrelay.bench.results import timed_run, write_results
+from ctxrelay.bench.results import bench_options, timed_run, write_results
 from ctxrelay.errors import UsageError
 from ctxrelay.models import runner
 from ctxrelay.models.runner import KVCache
@@ -101,14 +101,11 @@ def bench(
     """tokens/s of both caches per model and length -> benchmarks/results/OUT.json + OUT.png."""
     from ctxrelay import zoo
 
-    unknown = sorted(set(options or {}) - set(OPTIONS))
-    if unknown:
-        raise UsageError(f"unknown decode bench option(s) {unknown}; known: {sorted(OPTIONS)}")
     if sender or receiver:
         raise UsageError("bench decode times one model's own decoding: use --model, not --sender/--receiver")
     if not lengths or any(n < 1 for n in lengths) or repeats < 1:
         raise UsageError(f"lengths must be positive token counts and repeats >= 1 (got {list(lengths)}, {repeats})")
-    opts = {**OPTIONS, **(options or {})}
+    opts = bench_options("decode", options, OPTIONS)
     sources: list = list(models) if models is not None else model_names(model or "qwen2.5-coder-0.5b")
     command = command or f"ctxrelay bench decode --model {model} --lengths {','.join(map(str, lengths))}"
     extra = {"options": opts, "lengths": sorted(lengths), "repeats": repeats}

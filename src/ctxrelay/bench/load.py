@@ -28,7 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ctxrelay.bench.results import write_results
+from ctxrelay.bench.plots import save_figure
+from ctxrelay.bench.results import bench_options, write_results
 from ctxrelay.errors import UsageError
 
 OPTIONS = {"concurrency": "1,4,16", "requests": 32, "max_s": 300.0, "max_tokens": 16, "port": 8391, "warmup": 2,
@@ -191,10 +192,7 @@ def plot(rows: list[dict], samples: dict[int, list[float]], path: Path) -> Path:
     ax[1].set(xlabel="concurrent clients", ylabel="seconds", xscale="log", title="TTFT by concurrency")
     ax[1].set_xticks(cs, [str(c) for c in cs])
     ax[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def bench(
@@ -212,12 +210,9 @@ def bench(
         import openai  # noqa: F401  (the load tool)
     except ImportError:
         raise UsageError("bench load drives the server with the official openai client: pip install openai") from None
-    unknown = sorted(set(options or {}) - set(OPTIONS))
-    if unknown:
-        raise UsageError(f"unknown load bench option(s) {unknown}; known: {sorted(OPTIONS)}")
+    opts = bench_options("load", options, OPTIONS)
     if sender or receiver:
         raise UsageError("bench load serves --model (one zoo name or a comma list); not --sender/--receiver")
-    opts = {**OPTIONS, **(options or {})}
     levels = [int(c) for c in str(opts["concurrency"]).split(",") if c]
     n, tokens = int(opts["requests"]), int(list(lengths)[0]) if lengths else 512
     if not levels or min(levels) < 1 or n < 1 or tokens < 16:

@@ -46,7 +46,7 @@ def line_plot(
         ax.legend(fontsize=8)
     if note:
         fig.text(0.01, 0.01, note, fontsize=6, alpha=0.7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def scatter_plot(
@@ -76,7 +76,7 @@ def scatter_plot(
     ax.grid(True, alpha=0.3)
     if points:
         ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def heatmap(
@@ -100,10 +100,11 @@ def heatmap(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _save(fig, path: str | Path) -> Path:
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out, write (folders made) and close a figure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

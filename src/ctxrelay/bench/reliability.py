@@ -109,15 +109,12 @@ def bench(
     options: dict | None = None,
     command: str = "",
 ) -> Path:
-    from ctxrelay.bench.results import read_results, write_results
+    from ctxrelay.bench.results import bench_options, read_results, write_results
 
-    unknown = sorted(set(options or {}) - set(OPTIONS))
-    if unknown:
-        raise UsageError(f"unknown reliability bench option(s) {unknown}; known: {sorted(OPTIONS)}")
+    opts = bench_options("reliability", options, OPTIONS)
     if model or sender or receiver:
         raise UsageError("bench reliability runs on tiny random models: it takes no --model/--sender/--receiver")
     logging.getLogger("ctxrelay").setLevel(logging.ERROR)  # the injected faults log a warning each
-    opts = {**OPTIONS, **(options or {})}
     rows = run(opts)
     extra = {"options": opts, **summary(rows)}
     path = write_results(out, rows, command or "ctxrelay bench reliability", extra)

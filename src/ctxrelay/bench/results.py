@@ -129,6 +129,14 @@ def write_results(name: str, rows: list[dict], command: str, extra: dict | None 
     return path
 
 
+def bench_options(bench: str, options: dict | None, defaults: dict) -> dict:
+    """A benchmark's options over its defaults; an unknown key is a clear error, not ignored."""
+    unknown = sorted(set(options or {}) - set(defaults))
+    if unknown:
+        raise UsageError(f"unknown {bench} bench option(s) {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **(options or {})}
+
+
 def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
     """The lines of a markdown table."""
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]

@@ -36,8 +36,8 @@ from tqdm import tqdm
 
 from ctxrelay import paths
 from ctxrelay.bench.load import percentile
-from ctxrelay.bench.plots import plot_path
-from ctxrelay.bench.results import write_results
+from ctxrelay.bench.plots import plot_path, save_figure
+from ctxrelay.bench.results import bench_options, write_results
 from ctxrelay.data.datasets import Conversation, sharegpt_conversations
 from ctxrelay.errors import UsageError
 from ctxrelay.models import runner
@@ -334,10 +334,7 @@ def plot(rows: list[dict], samples: dict, path: Path) -> Path:
         ax[1].step(s, [(i + 1) / len(s) for i in range(len(s))], where="post", color=colors[mode], label=mode)
     ax[1].set(xlabel="TTFT (s)", ylabel="share of turns", xscale="log", title="TTFT CDF at the largest p")
     ax[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def bench(
@@ -353,12 +350,9 @@ def bench(
     """Score, measure decode, simulate at each quality threshold -> OUT.json + OUT-q<threshold>.png."""
     from ctxrelay.relay.api import ModelPool
 
-    unknown = sorted(set(options or {}) - set(OPTIONS))
-    if unknown:
-        raise UsageError(f"unknown router bench option(s) {unknown}; known: {sorted(OPTIONS)}")
+    opts = bench_options("router", options, OPTIONS)
     if model or sender or receiver:
         raise UsageError("bench router takes its models as --set large=... --set small=...")
-    opts = {**OPTIONS, **(options or {})}
     large, small = str(opts["large"]), str(opts["small"])
     command = command or f"ctxrelay bench router --set large={large} --set small={small}"
     pool = ModelPool([large, small])
