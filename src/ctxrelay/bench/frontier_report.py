@@ -171,21 +171,31 @@ def _candidates(quality: dict, timing: dict, key: tuple, threshold: float, margi
     """(rule, f, relay_s, native_s) of the points passing the gate's checks, by f: calibrated top-1 and
     (where the artifact measured it) fact recall at the threshold, measured TTFT beating native by the
     margin, also counting the relays a trusted per-request estimate refused on the calibration texts."""
-    from ctxrelay.relay.gate import expected_with_refusals
-    from ctxrelay.transports.heterofold.facts import facts_at
+    from ctxrelay.relay.gate import expected_with_refusals, quality_refusal
     from ctxrelay.transports.heterofold.recompute import calibrated_estimates
 
     out = []
-    for p in sorted(quality.get("recompute", []), key=lambda p: p["f"]):
+    for p in _points(quality):
         t = timing.get((*key, p["selection"], p["f"]))
-        recall = facts_at(quality, p["f"]).get("fact_recall")
-        if not t or p["top1_agreement"] < threshold or (recall is not None and recall < threshold):
+        if not t or quality_refusal(p, threshold) is not None:
             continue
         ests = calibrated_estimates(quality.get("estimate"), quality.get("recompute_rows", []), p["f"])
-        relay_s = expected_with_refusals(t["relay_ttft_s"], t["native_ttft_s"], ests, threshold)[0] if ests else 0
-        if max(relay_s, t["relay_ttft_s"]) * margin < t["native_ttft_s"]:
+        expected = t["relay_ttft_s"]
+        if ests:
+            expected = expected_with_refusals(t["relay_ttft_s"], t["native_ttft_s"], ests, threshold)[0]
+        if expected * margin < t["native_ttft_s"]:
             out.append((p["selection"], p["f"], t["relay_ttft_s"], t["native_ttft_s"]))
     return out
+
+
+def _points(quality: dict) -> list[dict]:
+    """An artifact's recompute points by f, each with the fact stage's fields at its f (as the gate sees it)."""
+    from ctxrelay.transports.heterofold.facts import FACT_FIELDS, facts_at
+
+    fields = (*FACT_FIELDS, "cases")
+    return [
+        {**p, **facts_at(quality, p["f"], fields)} for p in sorted(quality.get("recompute", []), key=lambda p: p["f"])
+    ]
 
 
 def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, threshold: float) -> dict:
@@ -310,16 +320,12 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
 def calibrated_points(qualities: dict, threshold: float) -> list[dict]:
     """Per direction and f of the artifact's recompute table: calibrated top-1, the fact stage's counts, and
     whether the point passes the gate's quality checks at `threshold` (before cost)."""
-    from ctxrelay.transports.heterofold.facts import facts_at
+    from ctxrelay.relay.gate import quality_refusal
 
     out = []
     for (s, r), q in sorted(qualities.items()):
-        for p in sorted(q.get("recompute", []), key=lambda p: p["f"]):
-            facts = next((e for e in q.get("facts", []) if abs(e["f"] - p["f"]) < 1e-9), {})
-            recall = facts_at(q, p["f"]).get("fact_recall")
-            ok = p["top1_agreement"] >= threshold and (recall is None or recall >= threshold)
-            counts = {k: facts[k] for k in ("cases", "native_right", "kept", "fact_recall") if k in facts}
-            item = {"sender": s, "receiver": r, "f": p["f"], "top1_agreement": p["top1_agreement"], "passes": ok,
-                    **counts}  # fmt: skip
-            out.append({k: v for k, v in item.items() if v is not None})
+        for p in _points(q):
+            counts = {k: p[k] for k in ("cases", "native_right", "kept", "fact_recall") if p.get(k) is not None}
+            out.append({"sender": s, "receiver": r, "f": p["f"], "top1_agreement": p["top1_agreement"],
+                        "passes": quality_refusal(p, threshold) is None, **counts})  # fmt: skip
     return out

@@ -167,15 +167,24 @@ def _recall(q: dict) -> str:
     return f"{q['fact_recall']:.2f} ({q.get('kept')}/{q.get('native_right')} facts)"
 
 
-def _not_worth_it(c: Candidate, native_s: float | None, threshold: float, min_speedup: float) -> str | None:
-    q = c.point.quality.get("top1_agreement")
+def quality_refusal(quality: dict, threshold: float) -> str | None:
+    """Why a point's calibrated quality fails the threshold (top-1 agreement, and fact recall where the
+    point records it), or None."""
+    q = quality.get("top1_agreement")
     if q is None:
         return "artifact records no calibrated top-1 agreement"
     if q < threshold:
         return f"calibrated top-1 agreement {q:.2f} is below the threshold {threshold:.2f}"
-    facts = c.point.quality.get("fact_recall")
+    facts = quality.get("fact_recall")
     if facts is not None and facts < threshold:
-        return f"calibrated fact recall {_recall(c.point.quality)} is below the threshold {threshold:.2f}"
+        return f"calibrated fact recall {_recall(quality)} is below the threshold {threshold:.2f}"
+    return None
+
+
+def _not_worth_it(c: Candidate, native_s: float | None, threshold: float, min_speedup: float) -> str | None:
+    why = quality_refusal(c.point.quality, threshold)
+    if why is not None:
+        return why
     if native_s is None:
         return "no native cost profile for the receiver (run `ctxrelay profile`)"
     if c.predicted_s is None:

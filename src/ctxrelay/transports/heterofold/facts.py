@@ -111,9 +111,9 @@ def fact_table(rows: list[dict], rule: str) -> list[dict]:
     return table
 
 
-def facts_at(quality: dict, f: float) -> dict:
-    """The fact-recall fields of the stage's entry at fraction f (empty where the stage did not run)."""
+def facts_at(quality: dict, f: float, fields: tuple[str, ...] = FACT_FIELDS) -> dict:
+    """`fields` of the stage's entry at fraction f (empty where the stage did not run)."""
     for e in quality.get("facts", []):
         if abs(float(e["f"]) - f) < 1e-9:
-            return {k: e[k] for k in FACT_FIELDS}
+            return {k: e[k] for k in fields}
     return {}
