@@ -102,6 +102,13 @@ def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
+def tokenizer(name: str):
+    """The tokenizer of a pulled zoo model, without loading its weights (counting tokens, cutting texts)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir(name)))
+
+
 def _manifest_path(name: str) -> Path:
     return model_dir(name) / "ctxrelay.json"
 

@@ -185,8 +185,6 @@ def bench(
 ) -> Path:
     """Every direction x method x length: receiver TTFT vs native prefill (same run), KL / top-1 vs
     native, perplexity at H, needle-QA, on held-out essays and ShareGPT -> benchmarks/results/OUT.json."""
-    from transformers import AutoTokenizer
-
     from ctxrelay import zoo
     from ctxrelay.bench.native import native_ttft
     from ctxrelay.state import ContextState
@@ -202,7 +200,7 @@ def bench(
     methods = str(opts["methods"]).split(",")
     datasets = str(opts["datasets"]).split(",")
     command = command or f"ctxrelay bench heterofold --lengths {','.join(map(str, lengths))} --repeats {repeats}"
-    ref_tok = AutoTokenizer.from_pretrained(str(zoo.model_dir(opts["ref_tokenizer"])))
+    ref_tok = zoo.tokenizer(opts["ref_tokenizer"])
     cases = bench_cases(ref_tok, sorted(lengths), datasets, int(opts["continuation"]), int(opts["seed"]))
     states = {s: cached_sender_states(s, [c.context for c in cases]) for s in dict.fromkeys(s for s, _ in dirs)}
     arts = {(s, r, m): _artifact(s, r, m, opts) for s, r in dirs for m in methods}

@@ -211,11 +211,9 @@ def time_point(r, state, art, ref: NativeRef, rule: str, f: float, opts: dict, r
 
 def ref_tokenizer(name: str):
     """The tokenizer whose counts cut every context (one set of texts shared by all directions)."""
-    from transformers import AutoTokenizer
-
     from ctxrelay import zoo
 
-    return AutoTokenizer.from_pretrained(str(zoo.model_dir(name)))
+    return zoo.tokenizer(name)
 
 
 def _directions(sender: str, receiver: str) -> list[tuple[str, str]]:

@@ -26,6 +26,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from ctxrelay.bench.plots import save_figure
@@ -39,23 +40,16 @@ QUESTION = "\n\nIn one sentence, what is this passage about?"
 
 
 def percentile(xs: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) by linear interpolation between order statistics."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    """The q-th percentile (0..100), linear between order statistics (numpy's default); None for no values."""
+    return float(np.percentile(xs, q)) if len(xs) else None
 
 
 def prompts(model: str, n: int, tokens: int) -> list[str]:
     """`n` distinct held-out essay excerpts of `tokens` tokens of `model`'s tokenizer, with a question."""
-    from transformers import AutoTokenizer
-
     from ctxrelay import zoo
     from ctxrelay.data.datasets import essay_haystack
 
-    tok = AutoTokenizer.from_pretrained(zoo.model_dir(model))
+    tok = zoo.tokenizer(model)
     return [essay_haystack(tok, tokens, split="heldout", seed=i) + QUESTION for i in range(n)]
 
 
