@@ -226,8 +226,17 @@ def simulate(facts: dict, route: dict, costs: Costs, mode: str, rate: float, thi
     return out
 
 
-def p90(turns: list[dict]) -> float:
-    return percentile([x["ttft_s"] for x in turns], 90)
+def pooled(facts: dict, costs: Costs, opts: dict, large: str, small: str, tau: float, rate: float, modes):
+    """(mean p, per mode the turns of every seed): each seed's routes once, simulated in each mode."""
+    per_mode: dict[str, list[dict]] = {m: [] for m in modes}
+    ps = []
+    for seed in range(int(opts["seeds"])):
+        rt = routes(facts, large, small, tau, float(opts["sigma"]), seed)
+        ps.append(share_after_large(rt, large, small))
+        for mode in modes:
+            per_mode[mode] += simulate(facts, rt, costs, mode, rate, float(opts["think_s"]),
+                                       int(opts["reply_tokens"]), seed)  # fmt: skip
+    return statistics.mean(ps), per_mode
 
 
 def sweep(facts: dict, costs: Costs, opts: dict, large: str, small: str) -> tuple[list[dict], dict]:
@@ -239,15 +248,7 @@ def sweep(facts: dict, costs: Costs, opts: dict, large: str, small: str) -> tupl
     taus = sorted({margins[min(len(margins) - 1, round(q * (len(margins) - 1) / (k + 1)))] for q in range(1, k + 1)})
     rows, samples = [], {}
     for tau in taus:
-        per_mode: dict[str, list[dict]] = {m: [] for m in MODES}
-        ps = []
-        for seed in range(int(opts["seeds"])):
-            rt = routes(facts, large, small, tau, float(opts["sigma"]), seed)
-            ps.append(share_after_large(rt, large, small))
-            for mode in MODES:
-                per_mode[mode] += simulate(facts, rt, costs, mode, float(opts["rate"]), float(opts["think_s"]),
-                                           int(opts["reply_tokens"]), seed)  # fmt: skip
-        p = statistics.mean(ps)
+        p, per_mode = pooled(facts, costs, opts, large, small, tau, float(opts["rate"]), MODES)
         for mode, turns in per_mode.items():
             ttft = [x["ttft_s"] for x in turns]
             rows.append({"transport": "relay" if mode == "relay" else "native", "method": f"router-{mode}",
@@ -271,12 +272,9 @@ def max_rate(facts: dict, costs: Costs, opts: dict, large: str, small: str, tau:
     best: dict[str, float | None] = dict.fromkeys(MODES)
     failed: set[str] = set()
     for rate in sorted(float(r) for r in str(opts["rates"]).split(",") if r):
-        for mode in [m for m in MODES if m not in failed]:
-            turns = []
-            for seed in range(int(opts["seeds"])):
-                rt = routes(facts, large, small, tau, float(opts["sigma"]), seed)
-                turns += simulate(facts, rt, costs, mode, rate, float(opts["think_s"]), int(opts["reply_tokens"]), seed)
-            if p90(turns) <= float(opts["slo_s"]):
+        _, per_mode = pooled(facts, costs, opts, large, small, tau, rate, [m for m in MODES if m not in failed])
+        for mode, turns in per_mode.items():
+            if percentile([x["ttft_s"] for x in turns], 90) <= float(opts["slo_s"]):
                 best[mode] = rate
             else:
                 failed.add(mode)
