@@ -203,6 +203,9 @@ def profile(
     lengths: str = typer.Option("256,512,1024,2048", help="context lengths in tokens"),
     repeats: int = typer.Option(2, help="timed repeats per point (median)"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
+    merge: bool = typer.Option(
+        False, help="keep the profile's measurements at other lengths and refit over all (extend it to longer requests)"
+    ),
 ) -> None:
     """Measure native prefill and every edge's transport cost on this machine; refit the cost model."""
     from ctxrelay import paths
@@ -212,9 +215,10 @@ def profile(
     from ctxrelay.relay.profile import profile_pool
 
     n = set_threads(threads or None)
-    pool = ModelPool([m for m in models.split(",") if m], profile=Profile())
+    names = [m for m in models.split(",") if m]
+    pool = ModelPool(names) if merge else ModelPool(names, profile=Profile())
     pool.profile_path = paths.profile_path()
-    prof = profile_pool(pool, text_for, [int(x) for x in lengths.split(",")], repeats=repeats)
+    prof = profile_pool(pool, text_for, [int(x) for x in lengths.split(",")], repeats=repeats, merge=merge)
     prof.machine = {"torch_threads": n, "cores": os.cpu_count()}
     prof.save(pool.profile_path)
     console.print(f"[green]profile written:[/] {pool.profile_path}")

@@ -8,7 +8,7 @@ from ctxrelay.artifact import Artifact, model_binding
 from ctxrelay.errors import BindingError
 from ctxrelay.models import runner
 from ctxrelay.relay import ModelPool
-from ctxrelay.relay.gate import decide
+from ctxrelay.relay.gate import decide, reason_for
 from ctxrelay.relay.graph import CostModel, Profile, TransportGraph, edge_key
 from ctxrelay.relay.store import DiskStore, RedisStore
 
@@ -172,6 +172,32 @@ def test_gate_counts_the_relays_its_estimate_would_refuse(tiny_by_family, tmp_pa
     d = decide(TransportGraph.build([s, r], [tmp_path], prof), _state(s), r.spec.weights_hash, 2048,
                quality_threshold=0.8)  # fmt: skip
     assert d.transport == "heterofold" and d.point.label == "f=0.20 mix"
+
+
+def test_gate_ranks_points_by_expected_cost_with_their_estimates_refusals(tiny_by_family, tmp_path):
+    """f=0.1 is predicted cheapest but its trusted estimate refuses half the calibration texts (each a
+    relay paid, then native prefill); f=0.2 is slower and refuses none: f=0.2 is tried first."""
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    model = {"signal": "kv_change", "slope": -1.0, "centres": {"0.1": [0.1, 0.9], "0.2": [0.1, 0.9]}, "spearman": -0.7}
+    rows = [{"f": 0.1, "kv_change": x} for x in (0.0, 0.05, 0.4, 0.45)]  # estimates 1.0, 0.95, 0.6, 0.55
+    rows += [{"f": 0.2, "kv_change": 0.05}] * 4  # estimates 0.95
+    quality = {"top1_agreement": 0.5, "estimate": model,
+               "recompute": [{"f": f, "selection": "mix", "top1_agreement": 0.9} for f in (0.1, 0.2)]}  # fmt: skip
+    art = Artifact("heterofold", 1, model_binding(s), model_binding(r), {"w": torch.zeros(1)}, quality=quality,
+                   params={"recompute_stage": {"rows": rows}})  # fmt: skip
+    art.save(tmp_path / "e.safetensors")
+    prof = _profile(s, r, native_per_token=1e-3)
+    key = edge_key("heterofold", s.spec.weights_hash, r.spec.weights_hash)
+    samples = lambda per: CostModel.fit([(n, {"translate_s": per * n}) for n in (256, 512, 1024)])
+    prof.edges[key + "@f=0.10 mix"] = samples(1e-4)  # 10x below native: expected 0.1 + 0.5 x 1 = 0.6 of native
+    prof.edges[key + "@f=0.20 mix"] = samples(4e-4)  # 2.5x below native, never refused
+    d = decide(TransportGraph.build([s, r], [tmp_path], prof), _state(s), r.spec.weights_hash, 2048,
+               quality_threshold=0.8)  # fmt: skip
+    assert [c.point.label for c in d.candidates] == ["f=0.20 mix", "f=0.10 mix"]
+    assert d.point.label == "f=0.20 mix" and "expected" not in d.reason
+    c = d.candidates[1]
+    assert c.expected_s == pytest.approx(c.predicted_s + 0.5 * d.predicted_native_s)
+    assert "expected with its estimate's refusals" in reason_for(c, d.predicted_native_s, 0.8)
 
 
 def test_gate_refuses_when_relay_is_predicted_slower(tiny_by_family, tmp_path):

@@ -20,6 +20,8 @@ BENCHES = {
     "load": "ctxrelay.bench.load",
     "router": "ctxrelay.bench.router",
     "reliability": "ctxrelay.bench.reliability",
+    "agents": "ctxrelay.bench.agents",
+    "cost-model": "ctxrelay.bench.cost_model",
 }
 
 

@@ -6,9 +6,12 @@ transports have one). It must (1) be calibrated for exactly this sender and rece
 quality at or above the operator's threshold and (4) have a predicted TTFT (plus overhead) at least
 `min_speedup` times below the receiver's predicted native prefill (the margin covers the cost
 model's error: a predicted 1% gain measured as a 5% loss in the demo). Survivors are ranked by
-predicted TTFT: the relay layer tries the cheapest first and, when the transport's estimate for THIS
-request falls below the threshold, the next one while the time spent still leaves it faster than
-native. An exact transport (a model continuing from its own K/V) reproduces native prefill and
+expected TTFT: the predicted TTFT, plus, where a trusted per-request estimate will check the relay,
+native prefill for the share of calibration texts that estimate refused (a refused relay is paid
+before native prefill). So a point that is fast when it passes but usually refused ranks behind a
+slower one that always serves (heterofold f=0.3 behind mapflow into qwen-0.5b). The relay layer tries
+the cheapest first and, when the transport's estimate for THIS request falls below the threshold,
+the next one while the time spent still leaves it faster than native. An exact transport (a model continuing from its own K/V) reproduces native prefill and
 skips it, so it needs no quality or cost check. Every decision carries its reason. The gate knows
 transports only through the registry (what each one reads from a state, whether it is exact).
 """
@@ -41,6 +44,7 @@ class Candidate:
     edge: Edge
     point: OperatingPoint
     predicted_s: float | None  # None: exact transport without a cost profile (never slower than native)
+    expected_s: float | None = None  # predicted_s + native prefill x the share its estimate refuses
 
     @property
     def label(self) -> str:
@@ -131,6 +135,7 @@ def decide(
         why = _unusable(e, state, receiver_hash)
         for p in e.points:
             c = Candidate(e, p, p.cost.total(n_tokens) + overhead_s if p.cost else None)
+            c.expected_s = _expected(c, native_s, quality_threshold)
             if why is None and requested == "auto" and not e.exact:
                 why_p = _not_worth_it(c, native_s, quality_threshold, min_speedup)
             else:
@@ -142,8 +147,8 @@ def decide(
     if not d.candidates:
         d.reason = "no transport passes the gate: " + "; ".join(d.rejected)
         return _logged(d)
-    # exact first (they skip the prefill and change nothing), then by predicted TTFT
-    d.candidates.sort(key=lambda c: (not c.edge.exact, c.predicted_s if c.predicted_s is not None else 0.0))
+    # exact first (they skip the prefill and change nothing), then by expected TTFT
+    d.candidates.sort(key=lambda c: (not c.edge.exact, c.expected_s if c.expected_s is not None else 0.0))
     best = d.candidates[0]
     d.choose(best, reason_for(best, native_s, quality_threshold, requested))
     return _logged(d)
@@ -157,8 +162,9 @@ def reason_for(c: Candidate, native_s: float | None, threshold: float, requested
     q = c.point.quality.get("top1_agreement")
     facts = c.point.quality.get("fact_recall")
     kept = "" if facts is None else f" and fact recall {_recall(c.point.quality)}"
+    refusals = "" if c.expected_s == c.predicted_s else f", {c.expected_s:.2f} s expected with its estimate's refusals"
     return (
-        f"{c.label} predicted {c.predicted_s:.2f} s vs native {native_s:.2f} s "
+        f"{c.label} predicted {c.predicted_s:.2f} s{refusals} vs native {native_s:.2f} s "
         f"({native_s / c.predicted_s:.1f}x) with calibrated top-1 agreement {q:.2f}{kept} >= {threshold:.2f}"
     )
 
@@ -191,16 +197,23 @@ def _not_worth_it(c: Candidate, native_s: float | None, threshold: float, min_sp
         return "no cost profile for this edge (run `ctxrelay profile`)"
     if c.predicted_s * min_speedup >= native_s:
         return f"predicted {c.predicted_s:.2f} s is not {min_speedup:.2f}x below native prefill {native_s:.2f} s"
-    ests = c.point.quality.get("calibrated_estimates")
-    if ests:  # a request the estimate refuses pays the relay, then native prefill
-        expected, refused = expected_with_refusals(c.predicted_s, native_s, ests, threshold)
-        if expected * min_speedup >= native_s:
-            return (
-                f"expected {expected:.2f} s (the per-request estimate refused {refused:.0%} of the calibration "
-                f"texts, each a relay paid before native prefill) is not {min_speedup:.2f}x below native "
-                f"prefill {native_s:.2f} s"
-            )
+    if c.expected_s != c.predicted_s and c.expected_s * min_speedup >= native_s:
+        _, refused = expected_with_refusals(c.predicted_s, native_s, c.point.quality["calibrated_estimates"], threshold)
+        return (
+            f"expected {c.expected_s:.2f} s (the per-request estimate refused {refused:.0%} of the calibration "
+            f"texts, each a relay paid before native prefill) is not {min_speedup:.2f}x below native "
+            f"prefill {native_s:.2f} s"
+        )
     return None
+
+
+def _expected(c: Candidate, native_s: float | None, threshold: float) -> float | None:
+    """The candidate's expected TTFT: its predicted TTFT, plus native prefill for the share of requests
+    its trusted per-request estimate would refuse (a refused relay is paid, then native prefill)."""
+    ests = c.point.quality.get("calibrated_estimates")
+    if c.predicted_s is None or native_s is None or not ests:
+        return c.predicted_s
+    return expected_with_refusals(c.predicted_s, native_s, ests, threshold)[0]
 
 
 def expected_with_refusals(relay_s: float, native_s: float, estimates: list[float], threshold: float):

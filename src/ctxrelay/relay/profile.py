@@ -58,10 +58,43 @@ def cached_sender_state(pool: ModelPool, sender: LoadedModel, text: str) -> Cont
     return state
 
 
+def measure_point(pool: ModelPool, e, p, text: str, repeats: int) -> tuple[int, dict[str, float]]:
+    """(receiver tokens, median components) of relaying `text` (the sender's) over edge `e` at point `p`."""
+    sender = next(m for m in pool.models.values() if m.spec.weights_hash == e.sender["weights_hash"])
+    receiver = next(m for m in pool.models.values() if m.spec.weights_hash == e.receiver["weights_hash"])
+    art = pool.artifact(e.artifact_path) if e.artifact_path is not None else None
+    t = transports.get(e.transport)
+    state = cached_sender_state(pool, sender, text)
+    suffix = _suffix(receiver)
+    n_recv = len(context_ids(receiver, state.text)) + len(suffix)
+
+    def once() -> dict[str, float]:
+        out = t.relay_prefill(receiver, state, art, suffix, **p.options)
+        t0 = time.perf_counter()
+        int(out.logits[-1].argmax())
+        timings = dict(out.timings)
+        timings["first_token_s"] = timings.get("first_token_s", 0.0) + time.perf_counter() - t0
+        return timings
+
+    return n_recv, median_components(once, repeats)
+
+
+def _merged(old: CostModel | None, new: list[tuple[int, dict[str, float]]]) -> CostModel:
+    """A cost model fit to the new samples and the old ones at lengths not measured again."""
+    lengths = {n for n, _ in new}
+    # the same text length gives token counts a few apart across tokenizers: 5% counts as the same length
+    kept = [s for s in (old.samples if old else []) if all(abs(s[0] - n) > 0.05 * n for n in lengths)]
+    return CostModel.fit(sorted(kept + new, key=lambda s: s[0]))
+
+
 def profile_pool(
-    pool: ModelPool, text_for: TextFor, lengths: list[int], repeats: int = 2, only_missing: bool = False
-) -> Profile:
-    """Fill `pool.profile` with native and edge costs at `lengths`; returns it (not saved)."""
+    pool: ModelPool, text_for: TextFor, lengths: list[int], repeats: int = 2, only_missing: bool = False,
+    merge: bool = False,
+) -> Profile:  # fmt: skip
+    """Fill `pool.profile` with native and edge costs at `lengths`; returns it (not saved).
+
+    merge=True keeps each cost model's samples at other lengths and refits over all of them (a
+    profile extended to the lengths the pool serves, without measuring the old lengths again)."""
     prof = pool.profile
     prof.machine = {"torch_threads": torch.get_num_threads()}
     models = [m for m in pool.models.values() if not (only_missing and m.spec.weights_hash in prof.native)]
@@ -78,30 +111,17 @@ def profile_pool(
             bar.set_postfix_str(f"native {m.spec.name} @ {n}")
             samples.append(measure_native(m, text_for(m, n), repeats))
             bar.update()
-        prof.native[m.spec.weights_hash] = CostModel.fit(samples)
+        old = prof.native.get(m.spec.weights_hash) if merge else None
+        prof.native[m.spec.weights_hash] = _merged(old, samples)
     for e, p in points:
         sender = next(m for m in pool.models.values() if m.spec.weights_hash == e.sender["weights_hash"])
-        receiver = next(m for m in pool.models.values() if m.spec.weights_hash == e.receiver["weights_hash"])
-        art = pool.artifact(e.artifact_path)
-        t = transports.get(e.transport)
         samples = []
         for n in lengths:
             bar.set_postfix_str(f"{e.label} {p.label} @ {n}")
-            state = cached_sender_state(pool, sender, text_for(sender, n))
-            suffix = _suffix(receiver)
-            n_recv = len(context_ids(receiver, state.text)) + len(suffix)
-
-            def once(state=state, suffix=suffix, t=t, receiver=receiver, art=art, opts=p.options) -> dict[str, float]:
-                out = t.relay_prefill(receiver, state, art, suffix, **opts)
-                t0 = time.perf_counter()
-                int(out.logits[-1].argmax())
-                timings = dict(out.timings)
-                timings["first_token_s"] = timings.get("first_token_s", 0.0) + time.perf_counter() - t0
-                return timings
-
-            samples.append((n_recv, median_components(once, repeats)))
+            samples.append(measure_point(pool, e, p, text_for(sender, n), repeats))
             bar.update()
-        prof.edges[e.point_key(p)] = CostModel.fit(samples)
+        old = prof.edges.get(e.point_key(p)) if merge else None
+        prof.edges[e.point_key(p)] = _merged(old, samples)
     bar.close()
     pool.refresh(prof)
     return prof
