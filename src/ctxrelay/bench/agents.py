@@ -235,7 +235,7 @@ def bench(
     pool = ModelPool(names)
     missing = [n for n in names if pool.model(n).spec.weights_hash not in pool.profile.native]
     if missing:
-        raise UsageError(f"no cost model for {missing} on this machine: run `ctxrelay profile` (or `ctxrelay demo`) first")
+        raise UsageError(f"no cost model for {missing} on this machine: run `ctxrelay profile` (or the demo) first")
     planner_tok = pool.model(names[0]).tokenizer
     warm = build_task(planner_tok, 256, 0)
     for n in names:  # first calls pay one-time allocation costs

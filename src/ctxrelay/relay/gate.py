@@ -9,10 +9,10 @@ model's error: a predicted 1% gain measured as a 5% loss in the demo). Survivors
 expected TTFT: the predicted TTFT, plus, where a trusted per-request estimate will check the relay,
 native prefill for the share of calibration texts that estimate refused (a refused relay is paid
 before native prefill). So a point that is fast when it passes but usually refused ranks behind a
-slower one that always serves (heterofold f=0.3 behind mapflow into qwen-0.5b). The relay layer tries
-the cheapest first and, when the transport's estimate for THIS request falls below the threshold,
-the next one while the time spent still leaves it faster than native. An exact transport (a model continuing from its own K/V) reproduces native prefill and
-skips it, so it needs no quality or cost check. Every decision carries its reason. The gate knows
+slower one that always serves. The relay layer tries the cheapest first and, when the transport's
+estimate for THIS request falls below the threshold, the next one while the time spent still leaves
+it faster than native. An exact transport (a model continuing from its own K/V) reproduces native
+prefill and skips it, so it needs no quality or cost check. Every decision carries its reason. The gate knows
 transports only through the registry (what each one reads from a state, whether it is exact).
 """
 
