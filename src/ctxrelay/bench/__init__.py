@@ -13,6 +13,7 @@ from ctxrelay.errors import UsageError
 BENCHES = {
     "native": "ctxrelay.bench.native",
     "mapflow": "ctxrelay.bench.mapflow",
+    "mapflow-capture": "ctxrelay.bench.mapflow_capture",
     "heterofold": "ctxrelay.bench.heterofold",
     "heterofold-limits": "ctxrelay.bench.heterofold_limits",
     "decode": "ctxrelay.bench.decode",
