@@ -14,6 +14,7 @@ BENCHES = {
     "native": "ctxrelay.bench.native",
     "mapflow": "ctxrelay.bench.mapflow",
     "mapflow-capture": "ctxrelay.bench.mapflow_capture",
+    "mapflow-gpu": "ctxrelay.bench.mapflow_gpu",
     "heterofold": "ctxrelay.bench.heterofold",
     "heterofold-limits": "ctxrelay.bench.heterofold_limits",
     "decode": "ctxrelay.bench.decode",
