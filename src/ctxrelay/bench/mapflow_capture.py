@@ -15,6 +15,10 @@ Phases (`--set phases=overhead,quality,operators`):
              needle answers (the scoring of `bench mapflow`)
   operators  per length, every guided layer of the artifact on the first context's maps, exact and
              sampled: its guided sparse attention vs SDPA at the same kept-block fraction (mapflow_ops.py)
+
+Phases may run apart (timing needs the machine alone, quality does not): a run keeps the rows of
+the phases it does not repeat from the results file already there, and `phase_commands` records
+the command of each phase.
 """
 
 from __future__ import annotations
@@ -25,15 +29,15 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from ctxrelay import paths
 from ctxrelay.bench.mapflow import cases_for, load_artifact, native_reference, relay_quality
 from ctxrelay.bench.mapflow_ops import guided_operator_times
-from ctxrelay.bench.results import bench_options, timed_run, write_results
+from ctxrelay.bench.results import bench_options, read_results, timed_run, write_results
 from ctxrelay.data.needle import score_answer
 from ctxrelay.errors import UsageError
+from ctxrelay.models.tokens import tokenize_context
 from ctxrelay.transports import mapflow
 from ctxrelay.transports.mapflow.calib_data import DEFAULT_RECEIVER, DEFAULT_SENDER
 
@@ -152,7 +156,6 @@ def overhead(sender, art, text: str, repeats: int, opts: dict) -> dict:
 def source_states(sender, text: str, capture_p: float, block: int, layers: list[int], labels: dict, cache: Path):
     """{label: ContextState} of `text`, every pattern source from ONE sender prefill; cached on disk."""
     from ctxrelay.models.capture import run_capture
-    from ctxrelay.models.tokens import tokenize_context
     from ctxrelay.state import Binding, ContextState
 
     key = hashlib.sha256(f"{text}|{capture_p}|{block}|{layers}".encode()).hexdigest()[:24]
@@ -232,11 +235,13 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
     sender, receiver = sender or DEFAULT_SENDER, receiver or DEFAULT_RECEIVER
     art_path, art = load_artifact(opts, sender, receiver)
     command = command or _command(sender, receiver, lengths, repeats, options)
+    kept, phase_commands = _other_phases(out, phases)
+    phase_commands.update(dict.fromkeys(phases, command))
     rows: list[dict] = []
-    extra = {"artifact": str(art_path), "options": opts, "notes": NOTES, "threads": torch.get_num_threads()}
+    extra = {"artifact": str(art_path), "options": opts, "notes": NOTES, "phase_commands": phase_commands}
 
     def save(complete: bool) -> Path:
-        return write_results(out, rows, command, extra=dict(extra, complete=complete))
+        return write_results(out, kept + rows, command, extra=dict(extra, complete=complete))
 
     snd: list = []
 
@@ -251,13 +256,27 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
         n = int(opts["overhead_tokens"])
         text = cases_for(m.tokenizer, n, 1, 0, int(opts["seed"]))[0].context
         res = overhead(m, art, text, repeats, opts)
-        rows.append({"transport": "mapflow", "phase": "overhead", "sender": sender, "context_tokens": n, **res})
+        actual = int(tokenize_context(m, text)[0].numel())
+        rows.append(
+            {"transport": "mapflow", "phase": "overhead", "sender": sender, "context_tokens": n,
+             "context_tokens_actual": actual, **res}
+        )  # fmt: skip
         path = save(complete=phases == ["overhead"])
     if "quality" in phases or "operators" in phases:
         path = _per_length(art, sender, receiver, lengths, phases, opts, rows, load_sender, snd, save)
     if path is None:
         raise UsageError("nothing to run: give --set phases=overhead,quality,operators (or some of them)")
     return path
+
+
+def _other_phases(out: str, phases: list[str]) -> tuple[list[dict], dict]:
+    """Rows and commands of the phases this run does not repeat, from the results file already there:
+    the phases need different machine locks (timing alone, quality beside other work), so run apart."""
+    path = paths.results_path(out)
+    if not path.exists():
+        return [], {}
+    doc = read_results(path)
+    return [r for r in doc["rows"] if r.get("phase") not in phases], dict(doc.get("phase_commands", {}))
 
 
 def _per_length(art, sender, receiver, lengths, phases, opts, rows, load_sender, snd, save) -> Path:
