@@ -50,3 +50,18 @@ def test_gpu_check_skips_cleanly_without_cuda(tmp_path, monkeypatch):
     assert mapflow_gpu.main(["256", "1"]) == 0
     doc = json.loads((tmp_path / "mapflow-gpu.json").read_text())
     assert doc["rows"][0]["skipped"] in ("no CUDA device", "triton is not installed")
+
+
+def test_runs_add_to_one_results_file(tmp_path, monkeypatch):
+    from ctxrelay.bench.results import write_results
+
+    monkeypatch.setenv("CTXRELAY_RESULTS_DIR", str(tmp_path))
+    first = [
+        {"transport": "mapflow", "phase": "overhead", "context_tokens": 64, "capture": "sampled", "sample_rows": 4},
+        {"transport": "mapflow", "phase": "quality", "context_tokens": 64, "source": "exact", "top1_agreement": 0.5},
+    ]
+    write_results("cap", first, "run 1", extra={"phase_commands": {"overhead": "run 1", "quality": ["run 1"]}})
+    again = [{"transport": "mapflow", "phase": "quality", "context_tokens": 64, "source": "exact", "top1_agreement": 0.6}]
+    rows, commands = mapflow_capture._merged("cap", again, ["quality"], "run 2")
+    assert [r.get("top1_agreement") for r in rows] == [None, 0.6]  # the same source replaced, the others kept
+    assert commands == {"overhead": "run 1", "quality": ["run 1", "run 2"]}

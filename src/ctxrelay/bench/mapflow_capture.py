@@ -16,9 +16,9 @@ Phases (`--set phases=overhead,quality,operators`):
   operators  per length, every guided layer of the artifact on the first context's maps, exact and
              sampled: its guided sparse attention vs SDPA at the same kept-block fraction (mapflow_ops.py)
 
-Phases may run apart (timing needs the machine alone, quality does not): a run keeps the rows of
-the phases it does not repeat from the results file already there, and `phase_commands` records
-the command of each phase.
+Phases may run apart (timing needs the machine alone, quality does not): a run replaces the rows
+of the same (phase, length, source) in the results file already there and keeps the others;
+`phase_commands` lists the commands that produced each phase's rows.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import hashlib
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from tqdm import tqdm
 
@@ -45,6 +46,7 @@ DEFAULTS = {
     "phases": "overhead,quality,operators",
     "artifact": "",  # default: the packaged artifact, else <cache>/artifacts
     "overhead_tokens": 4096,
+    "sample_rows": 0,  # overhead phase: sampled rows per block of the timed capture (0: the edge's default)
     "warmup": 1,  # untimed prefills of each kind before the timed pairs
     "exact_repeats": 1,  # timed exact-capture prefills (reference: what the capture cost before)
     "contexts": 3,  # needle contexts per length (quality)
@@ -110,6 +112,8 @@ def overhead(sender, art, text: str, repeats: int, opts: dict) -> dict:
             raise UsageError("the capture left no maps in the state")  # it must have done its work
         return wall, share, spent[0]
 
+    if int(opts["sample_rows"]):
+        art = SimpleNamespace(params=dict(art.params, sample_rows=int(opts["sample_rows"])))
     default_capture = mapflow.edge_capture(art.params)
     for _ in range(int(opts["warmup"])):
         run("native")
@@ -131,9 +135,11 @@ def overhead(sender, art, text: str, repeats: int, opts: dict) -> dict:
     native_med = statistics.median(times["native"])
     cap_med = statistics.median(times[default_capture])
     pairs = [c / n for n, c in zip(times["native"], times[default_capture], strict=True)]
+    rows = int(art.params.get("sample_rows", mapflow.SAMPLE_ROWS))
     out = {
+        "source": f"sampled-{rows}" if default_capture == "sampled" else "exact",
         "capture": default_capture,
-        "sample_rows": int(art.params.get("sample_rows", mapflow.SAMPLE_ROWS)),
+        "sample_rows": rows,
         "native_s": native_med,
         "capture_s": cap_med,
         "capture_overhead": cap_med / native_med - 1,
@@ -160,16 +166,17 @@ def source_states(sender, text: str, capture_p: float, block: int, layers: list[
 
     key = hashlib.sha256(f"{text}|{capture_p}|{block}|{layers}".encode()).hexdigest()[:24]
     files = {label: cache / f"{key}-{label}.safetensors" for label in labels}
-    if all(f.exists() for f in files.values()):
-        return {label: ContextState.load(f) for label, f in files.items()}
+    out = {label: ContextState.load(f) for label, f in files.items() if f.exists()}
+    missing = {label: how for label, how in labels.items() if label not in out}
+    if not missing:
+        return out
     m = sender()
     plans = {
         label: mapflow.map_capture_plan(m, capture_p, block, layers=layers, capture=cap, sample_rows=max(1, k))
-        for label, (cap, k) in labels.items()
+        for label, (cap, k) in missing.items()
     }
     ids, offsets = tokenize_context(m, text)
     run_capture(m, ids, list(plans.values()))
-    out = {}
     for label, plan in plans.items():
         st = ContextState(
             text=text, tokens=ids, offsets=offsets, binding=Binding.of(m, "bench"), meta={"sender": m.spec.name}
@@ -179,7 +186,7 @@ def source_states(sender, text: str, capture_p: float, block: int, layers: list[
             drop_tiles(st)
         st.save(files[label])
         out[label] = st
-    return out
+    return {label: out[label] for label in labels}
 
 
 def drop_tiles(state) -> None:
@@ -235,13 +242,12 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
     sender, receiver = sender or DEFAULT_SENDER, receiver or DEFAULT_RECEIVER
     art_path, art = load_artifact(opts, sender, receiver)
     command = command or _command(sender, receiver, lengths, repeats, options)
-    kept, phase_commands = _other_phases(out, phases)
-    phase_commands.update(dict.fromkeys(phases, command))
     rows: list[dict] = []
-    extra = {"artifact": str(art_path), "options": opts, "notes": NOTES, "phase_commands": phase_commands}
+    extra = {"artifact": str(art_path), "options": opts, "notes": NOTES}
 
     def save(complete: bool) -> Path:
-        return write_results(out, kept + rows, command, extra=dict(extra, complete=complete))
+        merged, commands = _merged(out, rows, phases, command)
+        return write_results(out, merged, command, extra=dict(extra, complete=complete, phase_commands=commands))
 
     snd: list = []
 
@@ -269,14 +275,27 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
     return path
 
 
-def _other_phases(out: str, phases: list[str]) -> tuple[list[dict], dict]:
-    """Rows and commands of the phases this run does not repeat, from the results file already there:
-    the phases need different machine locks (timing alone, quality beside other work), so run apart."""
+def _row_key(row: dict) -> tuple:
+    source = row.get("source")
+    if source is None and row.get("capture") == "sampled":  # overhead rows written before they named it
+        source = f"sampled-{row.get('sample_rows')}"
+    return row.get("phase"), row.get("context_tokens"), source
+
+
+def _merged(out: str, rows: list[dict], phases: list[str], command: str) -> tuple[list[dict], dict]:
+    """The results file's rows with this run's replacing those of the same (phase, length, source), and
+    the command of each phase: the phases need different machine locks (timing alone, quality beside
+    other work) and a source can be added later, so runs add to one file."""
     path = paths.results_path(out)
-    if not path.exists():
-        return [], {}
-    doc = read_results(path)
-    return [r for r in doc["rows"] if r.get("phase") not in phases], dict(doc.get("phase_commands", {}))
+    doc = read_results(path) if path.exists() else {"rows": []}
+    new = {_row_key(r) for r in rows}
+    kept = [r for r in doc["rows"] if _row_key(r) not in new]
+    commands = dict(doc.get("phase_commands", {}))
+    for p in phases:
+        seen = commands.get(p, [])
+        seen = [seen] if isinstance(seen, str) else list(seen)
+        commands[p] = seen if command in seen else [*seen, command]
+    return kept + rows, commands
 
 
 def _per_length(art, sender, receiver, lengths, phases, opts, rows, load_sender, snd, save) -> Path:
