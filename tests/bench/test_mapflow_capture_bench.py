@@ -61,7 +61,7 @@ def test_runs_add_to_one_results_file(tmp_path, monkeypatch):
         {"transport": "mapflow", "phase": "quality", "context_tokens": 64, "source": "exact", "top1_agreement": 0.5},
     ]
     write_results("cap", first, "run 1", extra={"phase_commands": {"overhead": "run 1", "quality": ["run 1"]}})
-    again = [{"transport": "mapflow", "phase": "quality", "context_tokens": 64, "source": "exact", "top1_agreement": 0.6}]
+    again = [dict(first[1], top1_agreement=0.6)]
     rows, commands = mapflow_capture._merged("cap", again, ["quality"], "run 2")
     assert [r.get("top1_agreement") for r in rows] == [None, 0.6]  # the same source replaced, the others kept
     assert commands == {"overhead": "run 1", "quality": ["run 1", "run 2"]}
