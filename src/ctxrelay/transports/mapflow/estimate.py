@@ -7,7 +7,8 @@ fused SDPA and, from the same post-RoPE q and k (the runner's `on_qk` hook), com
 probabilities for `rows` strided query rows of each query block only (ending on the block's last
 row, as FlexPrefill estimates a pattern from its last query block, but per block). The mean of
 those rows' block masses estimates the block's mean row mass; the same top-p rule as the exact
-capture then keeps blocks. Cost: rows / block of the attention's QK^T product, and no PV product.
+capture then keeps blocks. Cost: about rows / block of the attention's causal QK^T product (chunks
+of query blocks stop at their own last key), and no PV product.
 
 With rows = block every row is sampled and the result equals the exact capture's pattern and
 masses (a test checks it); the maps hold no tiles, so replace mode cannot read them.
@@ -22,6 +23,7 @@ from ctxrelay.transports.mapflow.sparse import BlockMaps, MapsError, _select, ma
 
 SOURCE = "sampled"
 MAX_SCORE_ELEMS = 1 << 23  # floats in one chunk's score slab (32 MB): memory flat in the context length
+CHUNKS = 8  # at least this many chunks of query blocks per layer (see sampled_block_mass)
 
 
 def sample_rows(length: int, rows: int) -> torch.Tensor:
@@ -39,7 +41,9 @@ def sampled_block_mass(c: AttnCall, block: int, rows: int) -> torch.Tensor:
     nb, full = -(-t // block), t // block
     mass = torch.zeros(h, nb, nb)
     offsets = sample_rows(block, rows)
-    step = max(1, MAX_SCORE_ELEMS // (h * len(offsets) * t))  # query blocks per chunk
+    # query blocks per chunk: bounded in memory, and at most 1/CHUNKS of them, so each chunk's product
+    # stops at its last block's keys (causal) and little of the QK^T product falls on masked keys
+    step = max(1, min(MAX_SCORE_ELEMS // (h * len(offsets) * t), -(-nb // CHUNKS)))
     for b0 in range(0, full, step):
         blocks = torch.arange(b0, min(full, b0 + step))
         mass[:, blocks] = _rows_mass(c, blocks[:, None] * block + offsets, nb, block)
@@ -51,17 +55,18 @@ def sampled_block_mass(c: AttnCall, block: int, rows: int) -> torch.Tensor:
 
 def _rows_mass(c: AttnCall, picked: torch.Tensor, nb: int, block: int) -> torch.Tensor:
     """[H, n, nb]: exact probabilities of the picked query rows [n, r], summed per key block, mean over r."""
-    _, h, t, d = c.q.shape
+    _, h, _, d = c.q.shape
     hkv = c.k.shape[1]
     n, r = picked.shape
     idx = picked.reshape(-1)
-    k = c.k[0].float()  # [Hkv, T, d]: the heads of a kv group share it without expanding
+    s = int(idx.max()) + 1  # causal: no picked row sees a key past the last of them
+    k = c.k[0, :, :s].float()  # [Hkv, s, d]: the heads of a kv group share it without expanding
     q = c.q[0, :, idx].float().view(hkv, (h // hkv) * idx.numel(), d)
-    scores = (q @ k.transpose(1, 2)).mul_(c.scale).view(h, idx.numel(), t)
+    scores = (q @ k.transpose(1, 2)).mul_(c.scale).view(h, idx.numel(), s)
     if c.softcap is not None:
         scores = torch.tanh(scores / c.softcap) * c.softcap
-    scores.masked_fill_(~positions_mask(idx, t, c.window), float("-inf"))
-    probs = torch.nn.functional.pad(torch.softmax(scores, dim=-1), (0, nb * block - t))
+    scores.masked_fill_(~positions_mask(idx, s, c.window), float("-inf"))
+    probs = torch.nn.functional.pad(torch.softmax(scores, dim=-1), (0, nb * block - s))
     return probs.view(h, n, r, nb, block).sum(-1).mean(2)
 
 
