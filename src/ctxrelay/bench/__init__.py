@@ -13,6 +13,8 @@ from ctxrelay.errors import UsageError
 BENCHES = {
     "native": "ctxrelay.bench.native",
     "mapflow": "ctxrelay.bench.mapflow",
+    "mapflow-capture": "ctxrelay.bench.mapflow_capture",
+    "mapflow-gpu": "ctxrelay.bench.mapflow_gpu",
     "heterofold": "ctxrelay.bench.heterofold",
     "heterofold-limits": "ctxrelay.bench.heterofold_limits",
     "decode": "ctxrelay.bench.decode",

@@ -1,14 +1,75 @@
 """One reused layer's attention over a real context, per operator: native SDPA vs mapflow's sparse ones.
 
-Part of `ctxrelay bench mapflow` (the row "operators" of its results): what wins on this CPU, apart
-from the rest of the layer (projections, MLP) that every mode pays alike.
+`operator_times` is part of `ctxrelay bench mapflow` (the row "operators" of its results): what wins
+on this CPU, apart from the rest of the layer (projections, MLP) that every mode pays alike.
+`guided_operator_times` is the operator phase of `bench mapflow-capture`: every guided layer's
+sparse attention against SDPA's ideal at the same kept-block fraction.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ctxrelay.timing import median_time
+from ctxrelay.models.attention import AttnCall
+from ctxrelay.timing import Stopwatch, median_time
+
+
+def random_call(receiver, layer: int, tokens: int, seed: int = 0) -> AttnCall:
+    """A prefill's attention call at the receiver's shapes with random q/k/v (operator timing only)."""
+    s = receiver.spec
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (
+        torch.randn(1, h, tokens, s.head_dim, generator=g) for h in (s.num_heads, s.num_kv_heads, s.num_kv_heads)
+    )
+    return AttnCall(layer, q, k, v, 0, s.attn_scale, None, None)
+
+
+def _ms(fn, repeats: int) -> float:
+    return round(1000 * median_time(fn, repeats, warmup=1)[0], 2)
+
+
+def guided_operator_times(state, cfg, receiver, repeats: int = 3) -> dict:
+    """Every guided layer's sparse attention over the state's context vs SDPA at its kept fraction.
+
+    The pattern is the one the relay builds (the layer's sender map, W, guided_p, unit, local);
+    q/k/v are random at the receiver's shapes (SDPA's time does not depend on them). ideal_ms is
+    density x SDPA time summed over the layers: what a sparse kernel as efficient as SDPA would take.
+    parts_ms splits one guided call per layer into its steps (guided.guided_attention's stopwatch).
+    """
+    from ctxrelay.models.attention import native_attention
+    from ctxrelay.transports import mapflow
+    from ctxrelay.transports.mapflow import guided
+    from ctxrelay.transports.mapflow.sparse import maps_from_tensors
+
+    meta = state.parts_meta[mapflow.PART]
+    maps = maps_from_tensors(state.parts[mapflow.PART], meta)
+    s, t = receiver.spec, state.num_tokens
+    layers = [j for j, m in enumerate(cfg.modes) if m == "guided"]
+    call = random_call(receiver, layers[0], t)
+    sdpa = _ms(lambda: native_attention(call), repeats)
+    full = guided.full_pattern(t, s.num_heads, cfg.block)
+    per_layer, parts = [], Stopwatch()
+    for j in layers:
+        bm = maps[cfg.mapping[j]]
+        pat = guided.guided_pattern(bm, cfg.w[j], cfg.guided_p, s.num_kv_heads, cfg.unit, cfg.top_p, cfg.local)
+        spent = _ms(lambda pat=pat: guided.guided_attention(call, pat), repeats)
+        per_layer.append({"layer": j, "density": round(pat.density(), 4), "guided_ms": spent})
+        guided.guided_attention(call, pat, sw=parts)
+    ideal = sum(x["density"] * sdpa for x in per_layer)
+    spent = sum(x["guided_ms"] for x in per_layer)
+    return {
+        "guided_layers": len(layers),
+        "sdpa_ms": sdpa,
+        "full_pattern_guided_ms": _ms(lambda: guided.guided_attention(call, full), repeats),
+        "density": round(sum(x["density"] for x in per_layer) / len(per_layer), 4),
+        "sdpa_ms_total": round(sdpa * len(layers), 2),
+        "guided_ms_total": round(spent, 2),
+        "ideal_ms_total": round(ideal, 2),
+        "fraction_of_ideal": round(ideal / spent, 4),
+        "speedup_vs_sdpa": round(sdpa * len(layers) / spent, 4),
+        "parts_ms": {k.removesuffix("_s"): round(1000 * v, 2) for k, v in parts.timings.items()},
+        "layers": per_layer,
+    }
 
 
 def operator_times(state, art, receiver, ps: list[float], repeats: int = 3) -> dict:
@@ -18,7 +79,7 @@ def operator_times(state, art, receiver, ps: list[float], repeats: int = 3) -> d
     maps to the middle reused receiver layer. Shows what wins on this CPU, apart from the rest of
     the layer (projections, MLP) that every mode pays alike.
     """
-    from ctxrelay.models.attention import AttnCall, native_attention
+    from ctxrelay.models.attention import native_attention
     from ctxrelay.transports import mapflow
     from ctxrelay.transports.mapflow import apply, guided
     from ctxrelay.transports.mapflow.reuse import ReuseConfig
@@ -35,13 +96,10 @@ def operator_times(state, art, receiver, ps: list[float], repeats: int = 3) -> d
         {k: v for k, v in maps.items() if k.startswith(f"{layer}.")}, dict(meta, layers=[layer])
     )[layer]
     w = art.tensors.get(f"w_fit.{j}", torch.full((bm_full.heads, s.num_heads), 1.0 / bm_full.heads))
-    t = state.num_tokens
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, t, s.head_dim, generator=g) for h in (s.num_heads, s.num_kv_heads, s.num_kv_heads))
-    call = AttnCall(j, q, k, v, 0, s.attn_scale, None, None)
+    call = random_call(receiver, j, state.num_tokens)
 
     def ms(fn):
-        return round(1000 * median_time(fn, repeats, warmup=1)[0], 2)
+        return _ms(fn, repeats)
 
     out = {"receiver_layer": j, "sender_layer": layer, "sdpa_ms": ms(lambda: native_attention(call))}
     for p in ps:
@@ -50,7 +108,7 @@ def operator_times(state, art, receiver, ps: list[float], repeats: int = 3) -> d
         row = {
             "sender_density": round(bm.density(), 4),
             "replace_prepare_ms": ms(lambda bm=bm: apply.prepare_replace(bm)),
-            "replace_ms": ms(lambda plan=plan: apply.replace_attention(plan, w, v)),
+            "replace_ms": ms(lambda plan=plan: apply.replace_attention(plan, w, call.v)),
         }
         for unit in ("group", "head"):
             pat = guided.guided_pattern(bm_full, w, cfg.guided_p, s.num_kv_heads, unit, p)

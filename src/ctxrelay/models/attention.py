@@ -36,6 +36,7 @@ class AttnCall:
 
 AttnFn = Callable[[AttnCall], torch.Tensor]
 ProbsCallback = Callable[[int, int, torch.Tensor], None]  # (layer, first query row, probs [H, rows, S])
+QKCallback = Callable[[AttnCall], None]  # a layer's attention inputs, seen before the attention runs
 
 
 def positions_mask(qpos: torch.Tensor, s: int, window: int | None) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The one sender prefill: read a context natively and leave a ContextState with what transports need.
 
 The pool, calibration and every benchmark call `capture_state`. What is recorded comes from
-capture plans (one per transport that will read the state): pre-RoPE keys and values, and attention
-probabilities streamed to a consumer (mapflow's block compressor) that writes its own state part
-when the prefill is done. Layers nobody asked probabilities of keep fused SDPA.
+capture plans (one per transport that will read the state): pre-RoPE keys and values, attention
+probabilities streamed to a consumer (mapflow's exact block compressor), and each layer's queries
+and keys handed to a consumer beside fused SDPA (mapflow's sampled-row pattern estimate); each
+consumer writes its own state part when the prefill is done. Layers nobody asked probabilities of
+keep fused SDPA.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from ctxrelay.errors import UsageError
 from ctxrelay.models import runner
-from ctxrelay.models.attention import ProbsCallback
+from ctxrelay.models.attention import AttnCall, ProbsCallback, QKCallback
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import tokenize_context
 from ctxrelay.state import Binding, ContextState
@@ -30,12 +32,15 @@ class CapturePlan:
     on_probs: ProbsCallback | None = None  # attention probabilities, streamed in row chunks
     prob_chunk: int = 64
     prob_layers: set[int] | None = None  # layers whose probabilities are wanted (None: all)
+    on_qk: QKCallback | None = None  # post-RoPE q and k of a layer (its AttnCall); attention stays fused
+    qk_layers: set[int] | None = None  # layers whose q/k are wanted (None: all)
     finish: Callable[[ContextState], None] | None = None  # writes the transport's part into the state
 
 
 def merge(plans: Sequence[CapturePlan], kv: bool = False) -> runner.Capture:
     """One runner.Capture serving every plan: K/V if anyone wants them, each probs consumer its layers."""
     cap = runner.Capture(keys_pre_rope=kv or any(p.kv for p in plans), values=kv or any(p.kv for p in plans))
+    _merge_qk(cap, [p for p in plans if p.on_qk is not None])
     readers = [p for p in plans if p.on_probs is not None]
     if not readers:
         return cap
@@ -53,6 +58,21 @@ def merge(plans: Sequence[CapturePlan], kv: bool = False) -> runner.Capture:
 
     cap.on_probs = on_probs
     return cap
+
+
+def _merge_qk(cap: runner.Capture, readers: list[CapturePlan]) -> None:
+    """Every q/k consumer its layers, through the one runner hook."""
+    if not readers:
+        return
+    every = any(p.qk_layers is None for p in readers)
+    cap.qk_layers = None if every else set().union(*(p.qk_layers for p in readers))
+
+    def on_qk(call: AttnCall) -> None:
+        for p in readers:
+            if p.qk_layers is None or call.layer in p.qk_layers:
+                p.on_qk(call)
+
+    cap.on_qk = on_qk
 
 
 def run_capture(m: LoadedModel, ids: torch.Tensor, plans: Sequence[CapturePlan] = (), kv: bool = False):

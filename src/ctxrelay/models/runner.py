@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from ctxrelay.models.attention import AttnCall, AttnFn, ProbsCallback, eager_attention, native_attention
+from ctxrelay.models.attention import AttnCall, AttnFn, ProbsCallback, QKCallback, eager_attention, native_attention
 from ctxrelay.models.spec import LoadedModel
 
 
@@ -102,6 +102,8 @@ class Capture:
     on_probs: ProbsCallback | None = None  # attention probabilities, streamed in row chunks
     prob_chunk: int = 64
     prob_layers: set[int] | None = None  # layers whose probabilities are wanted (None: all); others run SDPA
+    on_qk: QKCallback | None = None  # sees each chosen layer's AttnCall (post-RoPE q, k) beside fused SDPA
+    qk_layers: set[int] | None = None  # layers on_qk sees (None: all)
     keys: list[torch.Tensor] = field(default_factory=list)  # per layer [T, Hkv, d]
     vals: list[torch.Tensor] = field(default_factory=list)
 
@@ -264,6 +266,8 @@ def forward(
         cache.write(i, where, finish_keys(m, i, k_raw, rope), v)
         k_all, v_all = cache.view(i, end)
         call = attn_call(m, i, q, k_all, v_all, start, qpos, key_mask)
+        if capture is not None and capture.on_qk is not None and (capture.qk_layers is None or i in capture.qk_layers):
+            capture.on_qk(call)
         if i in attention:
             out = attention[i](call)
         elif (

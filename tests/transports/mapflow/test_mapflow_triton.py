@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from test_mapflow_operator import _w, random_maps
 
 from ctxrelay.transports.mapflow import apply, triton_apply
+from ctxrelay.transports.mapflow.synthetic import random_maps
+from ctxrelay.transports.mapflow.synthetic import simplex_w as _w
 
 
 def test_kernel_runs_group_tiles_by_key_block():

@@ -1,8 +1,11 @@
 """mapflow: attention-map reuse between models that share a tokenizer (DESIGN.md section 1a).
 
 `transport` is what the registry serves:
-  capture_plan   the sender's prefill streams its attention probabilities into a block top-p
-                 compressor (make_map_capture) that leaves the state part "maps"
+  capture_plan   the sender's prefill leaves the state part "maps": by default (edges whose layers
+                 are guided or hybrid) a pattern estimated from sampled query rows beside fused
+                 SDPA (estimate.py, capture "sampled"); where a layer replaces its attention, the
+                 exact block top-p compressor of every row's probabilities (make_map_capture,
+                 capture "exact", eager attention on the sender)
   relay_prefill  the receiver's reuse path (reuse.py) over those maps, then the suffix natively
   calibrate      `ctxrelay calibrate --transport mapflow` (data choice in calib_data.py)
 """
@@ -14,18 +17,24 @@ from pathlib import Path
 
 import torch
 
+from ctxrelay.errors import UsageError
 from ctxrelay.models.capture import CapturePlan
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.transports.base import Transport
-from ctxrelay.transports.mapflow.sparse import MapCapture, MapsError
+from ctxrelay.transports.mapflow.estimate import SampledMapCapture
+from ctxrelay.transports.mapflow.sparse import SOURCES, MapCapture, MapsError
 
 TRANSPORT = "mapflow"
 ARTIFACT_VERSION = 1
 PART = "maps"  # the ContextState part the capture writes and the reuse path reads
 MAP_MODES = ("replace", "guided", "hybrid")  # modes that read the sender's maps
+TILE_MODES = ("replace",)  # modes that read the maps' probabilities, not only their pattern
+CAPTURES = SOURCES  # the `capture` edge parameter: "exact" (every row, eager) or "sampled" (beside SDPA)
+SAMPLE_ROWS = 4  # sampled query rows per block (the `sample_rows` edge parameter)
 
 __all__ = [
     "ARTIFACT_VERSION",
+    "CAPTURES",
     "PART",
     "TRANSPORT",
     "MapsError",
@@ -51,15 +60,44 @@ def make_map_capture(
 
 
 def map_capture_plan(
-    sender: LoadedModel, top_p: float = 0.9, block: int = 64, *, layers: list[int] | None = None
+    sender: LoadedModel,
+    top_p: float = 0.9,
+    block: int = 64,
+    *,
+    layers: list[int] | None = None,
+    capture: str = "exact",
+    sample_rows: int = SAMPLE_ROWS,
 ) -> CapturePlan:
-    """A capture plan that compresses the sender's maps of `layers` (None: all) into the state's part."""
-    cap = make_map_capture(sender, top_p, block, layers=layers)
+    """A capture plan that leaves the sender's maps of `layers` (None: all) in the state's part.
+
+    capture="exact": every row's probabilities, block-compressed (eager attention on the sender);
+    capture="sampled": the pattern from `sample_rows` rows per query block, beside fused SDPA.
+    The part's meta says which ("source").
+    """
+    if capture == "exact":
+        cap = make_map_capture(sender, top_p, block, layers=layers)
+        plan = CapturePlan(on_probs=cap.on_probs, prob_chunk=block, prob_layers=set(cap.layers))
+    elif capture == "sampled":
+        s = sender.spec
+        cap = SampledMapCapture(
+            s.num_heads, s.num_layers, top_p=top_p, block=block, rows=sample_rows, layers=layers, sender=s.name
+        )
+        plan = CapturePlan(on_qk=cap.on_qk, qk_layers=set(cap.layers))
+    else:
+        raise UsageError(f"unknown mapflow capture {capture!r}: use one of {', '.join(CAPTURES)}")
 
     def finish(state) -> None:
         state.set_part(PART, *cap.result())
 
-    return CapturePlan(on_probs=cap.on_probs, prob_chunk=block, prob_layers=set(cap.layers), finish=finish)
+    plan.finish = finish
+    return plan
+
+
+def edge_capture(params: dict) -> str:
+    """The capture an edge asks for: its `capture` parameter, else sampled unless a layer reads tiles."""
+    if "capture" in params:
+        return str(params["capture"])
+    return "exact" if any(m in TILE_MODES for m in params["modes"]) else "sampled"
 
 
 def relay_prefill(receiver: LoadedModel, state, artifact, suffix_ids: torch.Tensor):
@@ -82,7 +120,8 @@ class Mapflow(Transport):
     color = "tab:blue"
 
     def capture_plan(self, sender: LoadedModel, edge_params: Sequence[dict]) -> CapturePlan:
-        """One capture serves every mapflow edge out of the sender: highest p, union of the layers read."""
+        """One capture serves every mapflow edge out of the sender: highest p, union of the layers read,
+        exact if any edge asks for it (replace mode reads tiles), most sampled rows asked for."""
         if not edge_params:
             return CapturePlan()
         block = int(edge_params[0].get("block", 64))
@@ -90,7 +129,10 @@ class Mapflow(Transport):
         layers = sorted(
             {int(s) for p in edge_params for s, mode in zip(p["mapping"], p["modes"], strict=True) if mode in MAP_MODES}
         )
-        return map_capture_plan(sender, top_p, block, layers=layers)
+        captures = {edge_capture(p) for p in edge_params}
+        capture = "exact" if "exact" in captures else captures.pop()
+        rows = max(int(p.get("sample_rows", SAMPLE_ROWS)) for p in edge_params)
+        return map_capture_plan(sender, top_p, block, layers=layers, capture=capture, sample_rows=rows)
 
     def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):
         if options:

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from ctxrelay.models.attention import AttnCall, attention_logits, expand_kv, visibility_mask
+from ctxrelay.timing import Stopwatch
 from ctxrelay.transports.mapflow.sparse import BlockMaps, _select
 
 Unit = Literal["head", "group"]
@@ -146,64 +148,80 @@ def _blocks(x: torch.Tensor, nb: int, block: int) -> torch.Tensor:
     return x.view(h, nb, block, d)
 
 
-def guided_attention(c: AttnCall, pat: BlockPattern, max_elems: int = 1 << 20) -> torch.Tensor:
+def guided_attention(
+    c: AttnCall, pat: BlockPattern, max_elems: int = 1 << 20, sw: Stopwatch | None = None
+) -> torch.Tensor:
     """Softmax attention restricted to the pattern's key blocks, for a prefill from position 0.
 
-    Rows (unit, query block) with the same number of kept blocks form one batched matmul (split so
+    Rows (unit, query block) with the same number of kept blocks form one batched call (split so
     no score slab exceeds `max_elems` floats: peak memory stays flat in the context length).
+    `sw` (optional) receives the time of each step: gather_s, attend_s, scatter_s.
     """
     _, hr, t, d = c.q.shape
     if c.q_start != 0 or c.k.shape[2] != t:
         raise ValueError("guided attention covers a prefill from position 0 (no cached prefix)")
+    sw = sw or Stopwatch()
     nb, b, per = pat.num_row_blocks, pat.block, pat.heads_per_unit
-    hkv = c.k.shape[1]
-    group = hr // hkv
-    qb_ = _blocks(c.q[0], nb, b)  # [Hr, nb, B, d]
-    kb_ = _blocks(c.k[0], nb, b)  # [Hkv, nb, B, d]
-    vb_ = _blocks(c.v[0], nb, b)
-    causal = torch.full((b, b), float("-inf"), dtype=c.q.dtype).triu(1)
+    with sw("gather_s"):
+        qb_ = _blocks(c.q[0], nb, b)  # [Hr, nb, B, d]
+        kb_ = _blocks(c.k[0], nb, b)  # [Hkv, nb, B, d]
+        vb_ = _blocks(c.v[0], nb, b)
     counts = pat.counts()
     starts = pat.crow[:-1].long()
     out_parts, out_rows = [], []
     for cnt in torch.unique(counts).tolist():
         same = (counts == cnt).nonzero(as_tuple=True)[0]
-        step = max(1, max_elems // (per * b * cnt * b))  # bound the score slab of one batched matmul
+        step = max(1, max_elems // (per * b * cnt * b))  # bound the score slab of one batched call
         for rows in same.split(step):
-            out_parts.append(_rows_attention(c, qb_, kb_, vb_, pat, starts, rows, cnt, group, causal))
+            out_parts.append(_rows_attention(c, qb_, kb_, vb_, pat, starts, rows, cnt, sw))
             out_rows.append(rows)
-    # scatter rows back to [Hr, nb, B, d]
-    out = torch.zeros(hr // per, nb, per, b, d, dtype=c.q.dtype)
-    rows = torch.cat(out_rows)
-    out = out.view(-1, per, b, d).index_copy(0, rows, torch.cat(out_parts))
-    out = out.view(hr // per, nb, per, b, d).permute(0, 2, 1, 3, 4).reshape(hr, nb * b, d)[:, :t]
+    with sw("scatter_s"):  # rows back to [Hr, nb, B, d]
+        out = torch.zeros(hr // per, nb, per, b, d, dtype=c.q.dtype)
+        rows = torch.cat(out_rows)
+        out = out.view(-1, per, b, d).index_copy(0, rows, torch.cat(out_parts))
+        out = out.view(hr // per, nb, per, b, d).permute(0, 2, 1, 3, 4).reshape(hr, nb * b, d)[:, :t]
     return out.unsqueeze(0)
 
 
-def _rows_attention(c: AttnCall, qb_, kb_, vb_, pat: BlockPattern, starts, rows, cnt: int, group: int, causal):
-    """Attention of pattern rows that all keep `cnt` key blocks: one batched matmul each way."""
+def _diagonal_last_mask(per: int, b: int, cnt: int) -> torch.Tensor:
+    """Bool [per*B, cnt*B]: every key of the first cnt-1 kept blocks, causal inside the last (diagonal) one."""
+    q_off = torch.arange(per * b) % b
+    k_off = torch.arange(cnt * b) - (cnt - 1) * b  # < 0 before the diagonal block
+    return k_off[None, :] <= q_off[:, None]
+
+
+def _rows_attention(c: AttnCall, qb_, kb_, vb_, pat: BlockPattern, starts, rows, cnt: int, sw: Stopwatch):
+    """Attention of pattern rows that all keep `cnt` key blocks, as one batched call."""
     nb, b, per = pat.num_row_blocks, pat.block, pat.heads_per_unit
     n, d, hkv = len(rows), qb_.shape[-1], kb_.shape[0]
-    unit, qi = rows // nb, rows % nb
-    kbs = pat.kb[starts[rows][:, None] + torch.arange(cnt)[None, :]]  # [R, c], diagonal block last
-    if per == 1:
-        q, g = qb_[unit, qi], unit // group  # [R, B, d]
-    else:
-        q, g = qb_.view(hkv, per, nb, b, d)[unit, :, qi].reshape(n, per * b, d), unit
-    k = kb_[g[:, None], kbs].reshape(n, cnt * b, d)
-    v = vb_[g[:, None], kbs].reshape(n, cnt * b, d)
-    s = torch.bmm(q, k.transpose(1, 2)).mul_(c.scale)  # [R, per*B, c*B]
-    if c.softcap is not None:
-        s = torch.tanh(s / c.softcap) * c.softcap
-    s = s.view(n, per, b, cnt * b)
-    if c.window is None:  # only the diagonal tile (last) needs the causal mask
-        s[..., (cnt - 1) * b :] += causal
-    else:  # token-level visibility (sliding window) over every kept tile
-        qpos = qi[:, None] * b + torch.arange(b)[None, :]  # [R, B]
-        kpos = (kbs[:, :, None] * b + torch.arange(b)).view(n, 1, -1)  # [R, 1, c*B]
-        vis = (kpos <= qpos[:, :, None]) & (kpos > qpos[:, :, None] - c.window)
-        s = s.masked_fill(~vis[:, None], float("-inf"))
-    p = torch.softmax(s, dim=-1)  # every query sees at least itself: the diagonal block is always kept
-    return torch.bmm(p.view(n, per * b, cnt * b), v).view(n, per, b, d)
+    group = qb_.shape[0] // hkv
+    with sw("gather_s"):
+        unit, qi = rows // nb, rows % nb
+        kbs = pat.kb[starts[rows][:, None] + torch.arange(cnt)[None, :]]  # [R, c], diagonal block last
+        if per == 1:
+            q, g = qb_[unit, qi], unit // group  # [R, B, d]
+        else:
+            q, g = qb_.view(hkv, per, nb, b, d)[unit, :, qi].reshape(n, per * b, d), unit
+        k = kb_[g[:, None], kbs].reshape(n, cnt * b, d)
+        v = vb_[g[:, None], kbs].reshape(n, cnt * b, d)
+    with sw("attend_s"):
+        if c.softcap is None and c.window is None:  # one mask for the bucket: fused SDPA (no score slab kept)
+            mask = _diagonal_last_mask(per, b, cnt)
+            out = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask, scale=c.scale)
+            return out.view(n, per, b, d)
+        s = torch.bmm(q, k.transpose(1, 2)).mul_(c.scale)  # [R, per*B, c*B]
+        if c.softcap is not None:
+            s = torch.tanh(s / c.softcap) * c.softcap
+        s = s.view(n, per, b, cnt * b)
+        if c.window is None:
+            s = s.masked_fill(~_diagonal_last_mask(1, b, cnt), float("-inf"))
+        else:  # token-level visibility (sliding window) over every kept tile
+            qpos = qi[:, None] * b + torch.arange(b)[None, :]  # [R, B]
+            kpos = (kbs[:, :, None] * b + torch.arange(b)).view(n, 1, -1)  # [R, 1, c*B]
+            vis = (kpos <= qpos[:, :, None]) & (kpos > qpos[:, :, None] - c.window)
+            s = s.masked_fill(~vis[:, None], float("-inf"))
+        p = torch.softmax(s, dim=-1)  # every query sees at least itself: the diagonal block is always kept
+        return torch.bmm(p.view(n, per * b, cnt * b), v).view(n, per, b, d)
 
 
 def pattern_attention_dense(c: AttnCall, pat: BlockPattern) -> torch.Tensor:

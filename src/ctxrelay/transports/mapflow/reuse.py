@@ -116,6 +116,11 @@ def select_maps(maps: dict[int, BlockMaps], cfg: ReuseConfig, meta_top_p: float)
                 f"(make_map_capture) or a layer list that includes {cfg.sender_layers()}"
             )
         bm = maps[layer]
+        if layer in replaced and not bm.has_tiles:
+            raise MapsError(
+                f"sender layer {layer}'s map is a pattern without probabilities (a sampled capture), but "
+                "replace mode applies the map itself: capture the state with map_capture_plan(..., capture='exact')"
+            )
         # guided-only layers re-select their pattern from tile masses (guided_pattern), never copying tiles
         out[layer] = reselect(bm, cfg.top_p) if cfg.top_p < meta_top_p and layer in replaced else bm
     return out
@@ -260,6 +265,7 @@ def relay_prefill(receiver: LoadedModel, state, artifact, suffix_ids: torch.Tens
         "r": cfg.r,
         "top_p": cfg.top_p,
         "state_top_p": float(meta.get("top_p", 1.0)),
+        "map_source": str(meta.get("source", "exact")),  # states from before sampled captures are exact
         "guided_p": cfg.guided_p,
         **{k: sum(v) / len(v) for k, v in stats.items()},  # mean computed share of causal tiles per mode
         "context_tokens": state.num_tokens,

@@ -12,6 +12,10 @@ top-p. Kept tiles are stored raw (not renormalised) in block-sparse rows (BSR):
 
 Keeping tiles raw lets a map captured at p be re-selected at any lower p exactly (`reselect`),
 and lets the operator renormalise after the product instead of rewriting tiles.
+
+A pattern-only map (estimate.py: block masses estimated from sampled query rows beside fused
+SDPA) has the same crow / col / mass / row_mass but no tiles ([0, B, B]); meta "source" says which
+(SOURCES). Guided and hybrid modes read only the pattern and masses; replace mode needs tiles.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from ctxrelay.errors import CtxrelayError
 
 FORMAT = 1
+SOURCES = ("exact", "sampled")  # where a map's masses come from: every row's probabilities, or sampled rows
 
 
 class MapsError(CtxrelayError, ValueError):
@@ -60,6 +65,11 @@ class BlockMaps:
     def density(self) -> float:
         """Kept tiles / causal tiles."""
         return self.nnz / max(1, self.causal_tiles())
+
+    @property
+    def has_tiles(self) -> bool:
+        """False for a pattern-only map (masses without probabilities: replace mode cannot read it)."""
+        return int(self.tiles.shape[0]) == self.nnz
 
     def nbytes(self) -> int:
         ts = (self.crow, self.col, self.tiles, self.mass, self.row_mass)
@@ -198,7 +208,7 @@ class MapCapture:
 
     def result(self) -> tuple[dict[str, torch.Tensor], dict]:
         maps = {i: c.finish() for i, c in self._layers.items()}
-        return maps_to_tensors(maps), maps_meta(maps, self.top_p, self.sender, self.num_layers)
+        return maps_to_tensors(maps), maps_meta(maps, self.top_p, self.sender, self.num_layers, source="exact")
 
 
 # ---- plain-tensor form (ContextState.maps / maps_meta) -------------------------------------------
@@ -210,7 +220,12 @@ def maps_to_tensors(maps: dict[int, BlockMaps]) -> dict[str, torch.Tensor]:
     return {f"{layer}.{f}": getattr(bm, f) for layer, bm in maps.items() for f in _FIELDS}
 
 
-def maps_meta(maps: dict[int, BlockMaps], top_p: float, sender: str, num_layers: int) -> dict:
+def maps_meta(
+    maps: dict[int, BlockMaps], top_p: float, sender: str, num_layers: int, source: str = "exact", **extra
+) -> dict:
+    """The state part's meta; `source` (SOURCES) tells a receiver whether the maps hold tiles."""
+    if source not in SOURCES:
+        raise MapsError(f"unknown map source {source!r}: use one of {', '.join(SOURCES)}")
     any_map = next(iter(maps.values()), None)
     kept = sum(bm.nnz for bm in maps.values())
     causal = sum(bm.causal_tiles() for bm in maps.values())
@@ -228,6 +243,8 @@ def maps_meta(maps: dict[int, BlockMaps], top_p: float, sender: str, num_layers:
         "kept_tiles": kept,
         "density": kept / max(1, causal),
         "nbytes": sum(bm.nbytes() for bm in maps.values()),
+        "source": source,
+        **extra,
     }
 
 
