@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from ctxrelay.bench.plots import plot_path, save_figure
-from ctxrelay.bench.results import bench_options, machine_facts, results_path, write_results
+from ctxrelay.bench.results import bench_options, git_commit, machine_facts, repo_root, results_path, write_results
 from ctxrelay.data.datasets import essay_haystack
 from ctxrelay.data.needle import first_answer_line, make_needle_case, score_answer
 from ctxrelay.errors import UsageError
@@ -203,12 +203,14 @@ def plot(summ: list[dict], path: Path) -> Path:
 
 
 def _resume(out: str, opts: dict) -> list[dict]:
-    """Rows of an earlier run with the same options on this machine (cases are then skipped)."""
+    """Rows of an earlier run with the same options, machine and code (cases are then skipped)."""
     path = results_path(out)
     if not path.exists():
         return []
     doc = json.loads(path.read_text())
-    same = doc.get("options") == opts and doc.get("machine", {}).get("cpu_model") == machine_facts()["cpu_model"]
+    root = repo_root()
+    same = (doc.get("options") == opts and doc.get("machine", {}).get("cpu_model") == machine_facts()["cpu_model"]
+            and doc.get("git_commit") == (git_commit(root) if root else None))  # fmt: skip
     return doc.get("round_rows", []) if same else []
 
 

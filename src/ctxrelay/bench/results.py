@@ -41,7 +41,7 @@ def _memory_gib() -> float | None:
     return None
 
 
-def _git_commit(root: Path) -> str | None:
+def git_commit(root: Path) -> str | None:
     try:
         res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
@@ -118,7 +118,7 @@ def write_results(name: str, rows: list[dict], command: str, extra: dict | None 
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"command": command, "machine": machine_facts(), "rows": list(rows)}
     root = repo_root()
-    commit = _git_commit(root) if root else None
+    commit = git_commit(root) if root else None
     if commit:
         doc["git_commit"] = commit
     doc["written"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
