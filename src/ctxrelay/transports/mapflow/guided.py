@@ -190,6 +190,26 @@ def _diagonal_last_mask(per: int, b: int, cnt: int) -> torch.Tensor:
     return k_off[None, :] <= q_off[:, None]
 
 
+# torch's fused CPU attention with its log-sum-exp (a private op: where a build lacks it, the masked path runs)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _split_attention(q, k, v, per: int, b: int, scale: float) -> torch.Tensor:
+    """Queries [R, per*B, d] over kept key blocks [R, c*B, d] (diagonal last) without any mask: the c-1
+    earlier blocks in one unmasked fused call, the diagonal block in a causal one, the two merged by
+    their log-sum-exps (as flash attention merges key chunks). A mask would be read for every score."""
+    n, _, d = q.shape
+    diag = k[:, None, -b:].expand(n, per, b, d), v[:, None, -b:].expand(n, per, b, d)
+    out_d, lse_d = _FLASH_CPU(q.view(n, per, b, d), *diag, 0.0, True, scale=scale)
+    if k.shape[1] == b:
+        return out_d
+    out_o, lse_o = _FLASH_CPU(q[:, None], k[:, None, :-b], v[:, None, :-b], 0.0, False, scale=scale)
+    out_o, lse_o = out_o.view(n, per, b, d), lse_o.view(n, per, b)
+    top = torch.maximum(lse_d, lse_o)
+    w_d, w_o = (lse_d - top).exp_()[..., None], (lse_o - top).exp_()[..., None]
+    return (out_d * w_d + out_o * w_o) / (w_d + w_o)
+
+
 def _rows_attention(c: AttnCall, qb_, kb_, vb_, pat: BlockPattern, starts, rows, cnt: int, sw: Stopwatch):
     """Attention of pattern rows that all keep `cnt` key blocks, as one batched call."""
     nb, b, per = pat.num_row_blocks, pat.block, pat.heads_per_unit
@@ -205,6 +225,8 @@ def _rows_attention(c: AttnCall, qb_, kb_, vb_, pat: BlockPattern, starts, rows,
         k = kb_[g[:, None], kbs].reshape(n, cnt * b, d)
         v = vb_[g[:, None], kbs].reshape(n, cnt * b, d)
     with sw("attend_s"):
+        if c.softcap is None and c.window is None and _FLASH_CPU is not None and q.device.type == "cpu":
+            return _split_attention(q, k, v, per, b, c.scale)
         if c.softcap is None and c.window is None:  # one mask for the bucket: fused SDPA (no score slab kept)
             mask = _diagonal_last_mask(per, b, cnt)
             out = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask, scale=c.scale)
