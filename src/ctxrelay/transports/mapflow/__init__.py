@@ -30,7 +30,7 @@ PART = "maps"  # the ContextState part the capture writes and the reuse path rea
 MAP_MODES = ("replace", "guided", "hybrid")  # modes that read the sender's maps
 TILE_MODES = ("replace",)  # modes that read the maps' probabilities, not only their pattern
 CAPTURES = SOURCES  # the `capture` edge parameter: "exact" (every row, eager) or "sampled" (beside SDPA)
-SAMPLE_ROWS = 4  # sampled query rows per block (the `sample_rows` edge parameter)
+SAMPLE_ROWS = 16  # sampled query rows per block (the `sample_rows` edge parameter; 16 of 64 kept top-1 as exact)
 
 __all__ = [
     "ARTIFACT_VERSION",
