@@ -71,7 +71,8 @@ def map_capture_plan(
     """A capture plan that leaves the sender's maps of `layers` (None: all) in the state's part.
 
     capture="exact": every row's probabilities, block-compressed (eager attention on the sender);
-    capture="sampled": the pattern from `sample_rows` rows per query block, beside fused SDPA.
+    capture="sampled": the pattern from `sample_rows` rows per query block (at most all `block` of
+    them), beside fused SDPA.
     The part's meta says which ("source").
     """
     if capture == "exact":
@@ -79,8 +80,9 @@ def map_capture_plan(
         plan = CapturePlan(on_probs=cap.on_probs, prob_chunk=block, prob_layers=set(cap.layers))
     elif capture == "sampled":
         s = sender.spec
+        rows = min(sample_rows, block)
         cap = SampledMapCapture(
-            s.num_heads, s.num_layers, top_p=top_p, block=block, rows=sample_rows, layers=layers, sender=s.name
+            s.num_heads, s.num_layers, top_p=top_p, block=block, rows=rows, layers=layers, sender=s.name
         )
         plan = CapturePlan(on_qk=cap.on_qk, qk_layers=set(cap.layers))
     else:
