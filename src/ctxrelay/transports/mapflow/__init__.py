@@ -97,9 +97,15 @@ def map_capture_plan(
 
 def edge_capture(params: dict) -> str:
     """The capture an edge asks for: its `capture` parameter, else sampled unless a layer reads tiles."""
-    if "capture" in params:
-        return str(params["capture"])
-    return "exact" if any(m in TILE_MODES for m in params["modes"]) else "sampled"
+    reads_tiles = any(m in TILE_MODES for m in params["modes"])
+    if "capture" not in params:
+        return "exact" if reads_tiles else "sampled"
+    capture = str(params["capture"])
+    if capture not in CAPTURES:
+        raise UsageError(f"unknown mapflow capture {capture!r}: use one of {', '.join(CAPTURES)}")
+    if capture == "sampled" and reads_tiles:
+        raise UsageError("a mapflow edge with replace layers needs capture='exact': replace applies the map itself")
+    return capture
 
 
 def relay_prefill(receiver: LoadedModel, state, artifact, suffix_ids: torch.Tensor):
