@@ -111,6 +111,8 @@ def test_transport_plan_is_sampled_for_guided_edges_and_exact_for_replace(tiny):
     replace_edge = dict(guided_edge, modes=["native"] + ["replace"] * (n - 1))
     assert mapflow.edge_capture(guided_edge) == "sampled" and mapflow.edge_capture(replace_edge) == "exact"
     assert mapflow.edge_capture(dict(guided_edge, capture="exact")) == "exact"
+    with pytest.raises(ValueError, match="needs capture='exact'"):
+        mapflow.edge_capture(dict(replace_edge, capture="sampled"))
     plan = mapflow.transport.capture_plan(tiny, [guided_edge])
     assert plan.on_qk is not None and plan.on_probs is None and plan.qk_layers == set(range(1, n))
     plan = mapflow.transport.capture_plan(tiny, [guided_edge, replace_edge])

@@ -30,7 +30,7 @@ PART = "maps"  # the ContextState part the capture writes and the reuse path rea
 MAP_MODES = ("replace", "guided", "hybrid")  # modes that read the sender's maps
 TILE_MODES = ("replace",)  # modes that read the maps' probabilities, not only their pattern
 CAPTURES = SOURCES  # the `capture` edge parameter: "exact" (every row, eager) or "sampled" (beside SDPA)
-SAMPLE_ROWS = 4  # sampled query rows per block (the `sample_rows` edge parameter)
+SAMPLE_ROWS = 16  # sampled query rows per block (the `sample_rows` edge parameter; 16 of 64 kept top-1 as exact)
 
 __all__ = [
     "ARTIFACT_VERSION",
@@ -71,7 +71,8 @@ def map_capture_plan(
     """A capture plan that leaves the sender's maps of `layers` (None: all) in the state's part.
 
     capture="exact": every row's probabilities, block-compressed (eager attention on the sender);
-    capture="sampled": the pattern from `sample_rows` rows per query block, beside fused SDPA.
+    capture="sampled": the pattern from `sample_rows` rows per query block (at most all `block` of
+    them), beside fused SDPA.
     The part's meta says which ("source").
     """
     if capture == "exact":
@@ -79,8 +80,9 @@ def map_capture_plan(
         plan = CapturePlan(on_probs=cap.on_probs, prob_chunk=block, prob_layers=set(cap.layers))
     elif capture == "sampled":
         s = sender.spec
+        rows = min(sample_rows, block)
         cap = SampledMapCapture(
-            s.num_heads, s.num_layers, top_p=top_p, block=block, rows=sample_rows, layers=layers, sender=s.name
+            s.num_heads, s.num_layers, top_p=top_p, block=block, rows=rows, layers=layers, sender=s.name
         )
         plan = CapturePlan(on_qk=cap.on_qk, qk_layers=set(cap.layers))
     else:
@@ -95,9 +97,15 @@ def map_capture_plan(
 
 def edge_capture(params: dict) -> str:
     """The capture an edge asks for: its `capture` parameter, else sampled unless a layer reads tiles."""
-    if "capture" in params:
-        return str(params["capture"])
-    return "exact" if any(m in TILE_MODES for m in params["modes"]) else "sampled"
+    reads_tiles = any(m in TILE_MODES for m in params["modes"])
+    if "capture" not in params:
+        return "exact" if reads_tiles else "sampled"
+    capture = str(params["capture"])
+    if capture not in CAPTURES:
+        raise UsageError(f"unknown mapflow capture {capture!r}: use one of {', '.join(CAPTURES)}")
+    if capture == "sampled" and reads_tiles:
+        raise UsageError("a mapflow edge with replace layers needs capture='exact': replace applies the map itself")
+    return capture
 
 
 def relay_prefill(receiver: LoadedModel, state, artifact, suffix_ids: torch.Tensor):

@@ -102,7 +102,7 @@ class SampledMapCapture:
         *,
         top_p: float = 0.9,
         block: int = 64,
-        rows: int = 4,
+        rows: int = 16,
         layers: list[int] | None = None,
         sender: str = "",
     ):
