@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from ctxrelay import paths
 from ctxrelay.bench.mapflow_ops import operator_times
-from ctxrelay.bench.results import write_results
+from ctxrelay.bench.results import bench_command, write_results
 from ctxrelay.data.datasets import essay_haystack
 from ctxrelay.data.needle import make_needle_case, score_answer
 from ctxrelay.errors import UsageError
@@ -345,7 +345,7 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
         path = write_results(  # after every length: a long run that stops keeps what it measured
             out,
             rows,
-            command or _command(sender, receiver, lengths, repeats, options),
+            command or bench_command("mapflow", sender, receiver, lengths, repeats, options),
             extra={
                 "artifact": str(art_path),
                 "artifact_quality": _brief_quality(art.quality),
@@ -404,14 +404,6 @@ def _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, 
         "contexts": len(a["exact"]),
         **{k: v for k, v in info.items() if k.endswith("_density")},
     }
-
-
-def _command(sender, receiver, lengths, repeats, options) -> str:
-    sets = " ".join(f"--set {k}={v}" for k, v in (options or {}).items())
-    return (
-        f"ctxrelay bench mapflow --sender {sender} --receiver {receiver} "
-        f"--lengths {','.join(map(str, lengths))} --repeats {repeats} {sets}"
-    ).strip()
 
 
 def plot(rows: list[dict], path: Path, sender: str, receiver: str) -> Path:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from ctxrelay import paths
 from ctxrelay.bench.mapflow import cases_for, load_artifact, native_reference, relay_quality
 from ctxrelay.bench.mapflow_ops import guided_operator_times
-from ctxrelay.bench.results import bench_options, read_results, timed_run, write_results
+from ctxrelay.bench.results import bench_command, bench_options, read_results, timed_run, write_results
 from ctxrelay.data.needle import score_answer
 from ctxrelay.errors import UsageError
 from ctxrelay.models.tokens import tokenize_context
@@ -241,7 +241,7 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
         raise UsageError("the overhead phase needs >= 3 interleaved pairs (--repeats 3): run-to-run noise is large")
     sender, receiver = sender or DEFAULT_SENDER, receiver or DEFAULT_RECEIVER
     art_path, art = load_artifact(opts, sender, receiver)
-    command = command or _command(sender, receiver, lengths, repeats, options)
+    command = command or bench_command("mapflow-capture", sender, receiver, lengths, repeats, options)
     rows: list[dict] = []
     extra = {"artifact": str(art_path), "options": opts, "notes": NOTES}
 
@@ -339,11 +339,3 @@ def _per_length(art, sender, receiver, lengths, phases, opts, rows, load_sender,
                 )  # fmt: skip
         path = save(complete=n == lengths[-1])
     return path
-
-
-def _command(sender, receiver, lengths, repeats, options) -> str:
-    sets = " ".join(f"--set {k}={v}" for k, v in (options or {}).items())
-    return (
-        f"ctxrelay bench mapflow-capture --sender {sender} --receiver {receiver} "
-        f"--lengths {','.join(map(str, lengths))} --repeats {repeats} {sets}"
-    ).strip()

@@ -137,6 +137,15 @@ def bench_options(bench: str, options: dict | None, defaults: dict) -> dict:
     return {**defaults, **(options or {})}
 
 
+def bench_command(bench: str, sender: str, receiver: str, lengths, repeats: int, options: dict | None) -> str:
+    """The `ctxrelay bench` line that reproduces a sender -> receiver run (when the caller passes none)."""
+    sets = " ".join(f"--set {k}={v}" for k, v in (options or {}).items())
+    return (
+        f"ctxrelay bench {bench} --sender {sender} --receiver {receiver} "
+        f"--lengths {','.join(map(str, lengths))} --repeats {repeats} {sets}"
+    ).strip()
+
+
 def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
     """The lines of a markdown table."""
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
