@@ -100,8 +100,8 @@ def run_workflow(pool: ModelPool, task: Task, opts: dict, thresholds: list[float
     q = task.question
 
     def later_rounds(mode: str, plan: str, go) -> list[dict]:
-        rows = [round_row(task, mode, "executor", executor, ex := go(executor, turn(pool, executor, EXECUTOR_TURN,
-                plan=plan, question=q), gen["answer"]))]  # fmt: skip
+        ex = go(executor, turn(pool, executor, EXECUTOR_TURN, plan=plan, question=q), gen["answer"])
+        rows = [round_row(task, mode, "executor", executor, ex)]
         answer = first_answer_line(ex.text)
         for c in checkers:
             res = go(c, turn(pool, c, CHECKER_TURN, plan=plan, answer=answer, question=q), gen["check"])

@@ -24,7 +24,7 @@ from ctxrelay.data.datasets import essay_haystack
 from ctxrelay.errors import UsageError
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.relay.api import ModelPool
-from ctxrelay.relay.profile import measure_native, measure_point
+from ctxrelay.relay.profile import edge_models, measure_native, measure_point
 
 OPTIONS = {"models": "qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m", "tolerance": 0.15}
 WINDOW_MARGIN = 64  # probe suffix + a few tokens of tokenizer drift between the text's models
@@ -61,14 +61,14 @@ def measure(pool: ModelPool, lengths: Sequence[int], repeats: int, tol: float) -
             bar.update()
         for e, p in points:
             bar.set_postfix_str(f"{e.label} {p.label} @ {n}")
-            sender = next(m for m in pool.models.values() if m.spec.weights_hash == e.sender["weights_hash"])
-            receiver = e.receiver["name"]
-            window = pool.model(receiver).spec.context_window
+            sender, receiver = edge_models(pool, e)
+            window = receiver.spec.context_window
             text = validation_text(sender, min(n, window - 2 * WINDOW_MARGIN) if window else n)
             tokens, measured = measure_point(pool, e, p, text, repeats)
             cm = prof.edges.get(e.point_key(p))
-            row = _row(e.transport, receiver, p.label, tokens, cm.total(tokens) if cm else None, measured, tol)
-            row["sender"] = e.sender["name"]
+            predicted = cm.total(tokens) if cm else None
+            row = _row(e.transport, receiver.spec.name, p.label, tokens, predicted, measured, tol)
+            row["sender"] = sender.spec.name
             rows.append(row)
             bar.update()
     bar.close()

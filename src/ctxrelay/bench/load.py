@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ctxrelay.bench.plots import save_figure
+from ctxrelay.bench.plots import cdf_step, save_figure
 from ctxrelay.bench.results import bench_options, write_results
 from ctxrelay.errors import UsageError
 
@@ -176,8 +176,7 @@ def plot(rows: list[dict], samples: dict[int, list[float]], path: Path) -> Path:
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for c, xs in samples.items():
-        s = sorted(xs)
-        ax[0].step(s, [(i + 1) / len(s) for i in range(len(s))], where="post", label=f"concurrency {c}")
+        cdf_step(ax[0], xs, label=f"concurrency {c}")
     ax[0].set(xlabel="TTFT (s)", ylabel="share of requests", title="TTFT CDF")
     ax[0].legend()
     cs = [r["concurrency"] for r in rows]

@@ -111,3 +111,9 @@ def save_figure(fig, path: str | Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def cdf_step(ax, values: Sequence[float], **style) -> None:
+    """The empirical CDF of `values` as a step line on `ax` (share of values <= x)."""
+    s = sorted(values)
+    ax.step(s, [(i + 1) / len(s) for i in range(len(s))], where="post", **style)

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from ctxrelay import paths
 from ctxrelay.bench.load import percentile
-from ctxrelay.bench.plots import plot_path, save_figure
+from ctxrelay.bench.plots import cdf_step, plot_path, save_figure
 from ctxrelay.bench.results import bench_options, write_results
 from ctxrelay.data.datasets import Conversation, sharegpt_conversations
 from ctxrelay.errors import UsageError
@@ -328,8 +328,7 @@ def plot(rows: list[dict], samples: dict, path: Path) -> Path:
     ax[0].legend(fontsize=7)
     top = max(samples, key=lambda t: next(r["p"] for r in rows if r["tau"] == t))
     for mode, xs in samples[top].items():
-        s = sorted(xs)
-        ax[1].step(s, [(i + 1) / len(s) for i in range(len(s))], where="post", color=colors[mode], label=mode)
+        cdf_step(ax[1], xs, color=colors[mode], label=mode)
     ax[1].set(xlabel="TTFT (s)", ylabel="share of turns", xscale="log", title="TTFT CDF at the largest p")
     ax[1].legend()
     return save_figure(fig, path)

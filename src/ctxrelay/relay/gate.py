@@ -45,6 +45,7 @@ class Candidate:
     point: OperatingPoint
     predicted_s: float | None  # None: exact transport without a cost profile (never slower than native)
     expected_s: float | None = None  # predicted_s + native prefill x the share its estimate refuses
+    refused: float = 0.0  # that share: calibration texts its trusted per-request estimate put below the threshold
 
     @property
     def label(self) -> str:
@@ -135,7 +136,7 @@ def decide(
         why = _unusable(e, state, receiver_hash)
         for p in e.points:
             c = Candidate(e, p, p.cost.total(n_tokens) + overhead_s if p.cost else None)
-            c.expected_s = _expected(c, native_s, quality_threshold)
+            c.expected_s, c.refused = _expected(c, native_s, quality_threshold)
             if why is None and requested == "auto" and not e.exact:
                 why_p = _not_worth_it(c, native_s, quality_threshold, min_speedup)
             else:
@@ -162,7 +163,7 @@ def reason_for(c: Candidate, native_s: float | None, threshold: float, requested
     q = c.point.quality.get("top1_agreement")
     facts = c.point.quality.get("fact_recall")
     kept = "" if facts is None else f" and fact recall {_recall(c.point.quality)}"
-    refusals = "" if c.expected_s == c.predicted_s else f", {c.expected_s:.2f} s expected with its estimate's refusals"
+    refusals = f", {c.expected_s:.2f} s expected with its estimate's refusals" if c.refused else ""
     return (
         f"{c.label} predicted {c.predicted_s:.2f} s{refusals} vs native {native_s:.2f} s "
         f"({native_s / c.predicted_s:.1f}x) with calibrated top-1 agreement {q:.2f}{kept} >= {threshold:.2f}"
@@ -197,23 +198,22 @@ def _not_worth_it(c: Candidate, native_s: float | None, threshold: float, min_sp
         return "no cost profile for this edge (run `ctxrelay profile`)"
     if c.predicted_s * min_speedup >= native_s:
         return f"predicted {c.predicted_s:.2f} s is not {min_speedup:.2f}x below native prefill {native_s:.2f} s"
-    if c.expected_s != c.predicted_s and c.expected_s * min_speedup >= native_s:
-        _, refused = expected_with_refusals(c.predicted_s, native_s, c.point.quality["calibrated_estimates"], threshold)
+    if c.refused and c.expected_s * min_speedup >= native_s:
         return (
-            f"expected {c.expected_s:.2f} s (the per-request estimate refused {refused:.0%} of the calibration "
+            f"expected {c.expected_s:.2f} s (the per-request estimate refused {c.refused:.0%} of the calibration "
             f"texts, each a relay paid before native prefill) is not {min_speedup:.2f}x below native "
             f"prefill {native_s:.2f} s"
         )
     return None
 
 
-def _expected(c: Candidate, native_s: float | None, threshold: float) -> float | None:
-    """The candidate's expected TTFT: its predicted TTFT, plus native prefill for the share of requests
+def _expected(c: Candidate, native_s: float | None, threshold: float) -> tuple[float | None, float]:
+    """(expected TTFT, refused share): its predicted TTFT, plus native prefill for the share of requests
     its trusted per-request estimate would refuse (a refused relay is paid, then native prefill)."""
     ests = c.point.quality.get("calibrated_estimates")
     if c.predicted_s is None or native_s is None or not ests:
-        return c.predicted_s
-    return expected_with_refusals(c.predicted_s, native_s, ests, threshold)[0]
+        return c.predicted_s, 0.0
+    return expected_with_refusals(c.predicted_s, native_s, ests, threshold)
 
 
 def expected_with_refusals(relay_s: float, native_s: float, estimates: list[float], threshold: float):

@@ -58,10 +58,15 @@ def cached_sender_state(pool: ModelPool, sender: LoadedModel, text: str) -> Cont
     return state
 
 
+def edge_models(pool: ModelPool, e) -> tuple[LoadedModel, LoadedModel]:
+    """The pool's loaded sender and receiver of edge `e` (matched by weights hash, not name)."""
+    by_hash = {m.spec.weights_hash: m for m in pool.models.values()}
+    return by_hash[e.sender["weights_hash"]], by_hash[e.receiver["weights_hash"]]
+
+
 def measure_point(pool: ModelPool, e, p, text: str, repeats: int) -> tuple[int, dict[str, float]]:
     """(receiver tokens, median components) of relaying `text` (the sender's) over edge `e` at point `p`."""
-    sender = next(m for m in pool.models.values() if m.spec.weights_hash == e.sender["weights_hash"])
-    receiver = next(m for m in pool.models.values() if m.spec.weights_hash == e.receiver["weights_hash"])
+    sender, receiver = edge_models(pool, e)
     art = pool.artifact(e.artifact_path) if e.artifact_path is not None else None
     t = transports.get(e.transport)
     state = cached_sender_state(pool, sender, text)
@@ -114,7 +119,7 @@ def profile_pool(
         old = prof.native.get(m.spec.weights_hash) if merge else None
         prof.native[m.spec.weights_hash] = _merged(old, samples)
     for e, p in points:
-        sender = next(m for m in pool.models.values() if m.spec.weights_hash == e.sender["weights_hash"])
+        sender, _ = edge_models(pool, e)
         samples = []
         for n in lengths:
             bar.set_postfix_str(f"{e.label} {p.label} @ {n}")
