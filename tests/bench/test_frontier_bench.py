@@ -105,6 +105,12 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
     # an estimate that ranked its calibration texts weakly is not acted on: the cheapest point serves
     (g,) = gate_replay(rows, {("s", "r"): {"recompute": table, "estimate": {**est, "spearman": 0.3}}}, 0.85, 1.1)
     assert g["points"] == {"f=0.10 mix": 2, "f=0.20 mix": 1}
+    # what a refused relay cost is paid either way: b's f=0.1 is refused (1 s), then f=0.2 alone (9.05 s)
+    # still beats native (10 s), so it serves (10.05 s in all) instead of native after the refusal (11 s)
+    del next(x for x in rows if x.get("case_key") == "a" and x["f"] == 0.1)["answer"]
+    slow = [{**x, "relay_ttft_s": 9.05} if x.get("kind") == "timing" and x["f"] == 0.2 else x for x in rows]
+    (g,) = gate_replay(slow, {("s", "r"): {"recompute": table, "estimate": est}}, 0.85, 1.1)
+    assert g["points"] == {"f=0.10 mix": 1, "f=0.20 mix": 1, "native": 1}
 
 
 def test_a_quality_only_run_still_plots(tmp_path):

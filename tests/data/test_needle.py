@@ -1,6 +1,6 @@
 import pytest
 
-from ctxrelay.data.needle import NEEDLES, insert_at_depth, make_needle_case, score_answer
+from ctxrelay.data.needle import NEEDLES, first_answer_line, insert_at_depth, make_needle_case, score_answer
 from ctxrelay.errors import UsageError
 
 HAY = " ".join(f"Sentence number {i} is here." for i in range(100))
@@ -53,3 +53,17 @@ def test_score_answer():
     # only the first answer line counts: a model inventing more Q&A does not get credit
     assert score_answer(" I don't know.\nQuestion: x\nAnswer: copper-heron-42", gold)["exact"] == 0
     assert score_answer("", gold) == {"exact": 0, "f1": 0.0}
+
+
+def test_answer_line_joins_a_sentence_wrapped_like_the_essays():
+    # measured: gemma3-270m wraps its answers at the essays' ~70 columns
+    assert score_answer(" The combination of the Delacroix safe\nis 5093.", "5093")["exact"] == 1
+    assert (
+        first_answer_line(" The safe and the\nDelacroix safe is 5093\nmore")
+        == "The safe and the Delacroix safe is 5093 more"
+    )
+    # a finished sentence, a blank line or a label ends the answer
+    assert score_answer(" The safe is locked.\nIt is 5093.", "5093")["exact"] == 0
+    assert score_answer(" The Brambleton Choir\nQuestion: is it 5093?", "5093")["exact"] == 0
+    assert score_answer(" I am not sure\n\n5093", "5093")["exact"] == 0
+    assert score_answer(" See the note\n[1] 5093", "5093")["exact"] == 0

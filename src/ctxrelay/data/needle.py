@@ -6,6 +6,7 @@ plain-text suffix (no chat template) that small instruct models answer on one li
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ctxrelay.errors import UsageError
@@ -163,10 +164,23 @@ def make_needle_case(
     )
 
 
+_SENTENCE_END = re.compile(r"[.!?:][\"')\]]*$")
+_LABEL = re.compile(r"\s*(question|answer|q|a)\s*:|\s*\[\d+\]", re.IGNORECASE)
+
+
 def first_answer_line(pred: str) -> str:
-    """Generated text up to its first line break: models often go on to invent the next question."""
-    stripped = pred.strip()
-    return stripped.split("\n", 1)[0] if stripped else ""
+    """Generated text up to its first line break that ends the answer: models often go on to invent
+    the next question. The essays are hard-wrapped at ~70 columns and the models wrap their answers
+    the same way ("the Delacroix safe\nis 5093."), so a break inside a sentence (the line ends
+    without . ! ? :, the next line is neither blank nor a "Question:" / "Answer:" / "[n]" label)
+    joins the next line."""
+    lines = pred.strip().split("\n")
+    out = [lines[0].strip()]
+    for line in lines[1:]:
+        if _SENTENCE_END.search(out[-1]) or not line.strip() or _LABEL.match(line):
+            break
+        out.append(line.strip())
+    return " ".join(out)
 
 
 def score_answer(pred: str, gold: str) -> dict:

@@ -27,7 +27,15 @@ from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state, extend_state
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
-from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP, Decision, decide, reason_for, requestable
+from ctxrelay.relay.gate import (
+    DEFAULT_QUALITY,
+    MIN_SPEEDUP,
+    Decision,
+    decide,
+    reason_for,
+    requestable,
+    worth_trying_next,
+)
 from ctxrelay.relay.graph import Profile, TransportGraph
 from ctxrelay.relay.store import StateKey, StateStore, StoreUnavailable, open_store
 from ctxrelay.state import ContextState, content_hash
@@ -188,7 +196,7 @@ class ModelPool:
         timings["gate_s"] = time.perf_counter() - tg
         if d.transport == "native":
             return self._native(r, text, suffix, t0, timings, d.reason, max_new_tokens, temperature, d, on_token)
-        out, why_not = self._relay_checked(d, state, r, suffix, t0, timings, threshold, transport == "auto")
+        out, why_not = self._relay_checked(d, state, r, suffix, timings, threshold, transport == "auto")
         if out is None:
             return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, d, on_token)
         tf = time.perf_counter()
@@ -209,15 +217,14 @@ class ModelPool:
             first_logits=out.logits[-1],
         )
 
-    def _relay_checked(self, d: Decision, state, r, suffix, t0, timings, threshold, check) -> tuple:
+    def _relay_checked(self, d: Decision, state, r, suffix, timings, threshold, check) -> tuple:
         """Relay through the gate's cheapest candidate; where the relay would answer nothing or the
-        transport estimates THIS request below the threshold, try the next candidate while the time
-        spent still leaves it faster than native prefill. Returns (RelayOutput, "") or (None, why native)."""
+        transport estimates THIS request below the threshold, try the next candidate whose expected TTFT
+        is below native prefill's (gate.worth_trying_next). Returns (RelayOutput, "") or (None, why native)."""
         tried: list[str] = []
         for i, c in enumerate(d.candidates):
             if i:
-                native_s, spent = d.predicted_native_s, time.perf_counter() - t0
-                if c.predicted_s is None or native_s is None or spent + c.predicted_s >= native_s:
+                if not worth_trying_next(c.expected_s, d.predicted_native_s):
                     break
                 d.choose(c, reason_for(c, d.predicted_native_s, threshold))
             ta = time.perf_counter()

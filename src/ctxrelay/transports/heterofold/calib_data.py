@@ -28,7 +28,7 @@ DATA_DEFAULTS = {"chunk_chars": 2200, "essay_chunks": 40, "conversations": 24, "
 RECOMPUTE_DEFAULTS = {"recompute_tokens": 2048, "recompute_essays": 8, "recompute_convs": 4,
                       "fractions": "0.05,0.1,0.2,0.3", "rule": "mix"}  # fmt: skip
 # the fact-recall stage (facts.py): calibration-only needle cases, answered natively and at every fraction
-FACTS_DEFAULTS = {"facts_cases": 12, "facts_tokens": 2048, "facts_new_tokens": 32}
+FACTS_DEFAULTS = {"facts_cases": 24, "facts_tokens": 2048, "facts_new_tokens": 32}
 
 
 def chunk(text: str, chars: int) -> list[str]:
