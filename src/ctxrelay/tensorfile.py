@@ -75,7 +75,9 @@ def from_bytes(data: bytes, what: str = "data", seal_mode: str = "if_present") -
         raise TensorFileError(f"{what} is corrupted: tensor checksum does not match its manifest")
     why = "" if seal_mode == "ignored" else seal.verify(manifest)
     if why and not (why == "unsealed" and seal_mode == "if_present"):
-        raise SealError(f"{what} is refused: {why}")
+        # a file of this owner's written before seals existed: say how to vouch for it
+        hint = why == "unsealed" and Path(what).is_file()
+        raise SealError(f"{what} is refused: {why}" + (f" (if you trust it: `ctxrelay seal {what}`)" if hint else ""))
     manifest.pop("seal", None)
     return tensors, manifest
 
