@@ -9,7 +9,6 @@ from pathlib import Path
 from ctxrelay.bench.results import machine_facts, read_results
 from ctxrelay.bench.results import markdown_table as _markdown
 from ctxrelay.errors import UsageError
-from ctxrelay.relay.gate import worth_trying_next
 
 SAME_MACHINE = ("cpu_model", "cores", "torch_threads", "device", "torch")
 
@@ -207,7 +206,7 @@ def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, t
     spent = 0.0
     for rule, f, relay_s, native_s in cands:
         row = by_case.get((*key, rule, f))
-        if row is None or (spent and not worth_trying_next(relay_s, native_s)):
+        if row is None:  # every candidate beats native by the margin: a refused one's time is spent either way
             break
         spent += relay_s
         e = estimate(model, _info(row, "question_info" if row.get("question_info") else "continuation_info"))
@@ -232,7 +231,7 @@ def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: flo
     rows) beats native by `margin`, cheapest first. Per request: relay at the first; accept when the
     artifact's estimate for that request (from the row's signals; where the gate trusts it) meets the
     threshold and the answer is not empty (the gate refuses a relay whose first token ends the text),
-    else pay that relay and try the next that still beats native (gate.worth_trying_next), else native
+    else pay that relay and try the next candidate (each beats native by the margin), else native
     prefill. Answers, top-1 and TTFT come from the rows of the points tried."""
     timing = {_point_key(x): x for x in rows if x.get("kind") == "timing"}
     quality = [x for x in rows if x.get("kind") != "timing"]

@@ -27,15 +27,7 @@ from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state, extend_state
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
-from ctxrelay.relay.gate import (
-    DEFAULT_QUALITY,
-    MIN_SPEEDUP,
-    Decision,
-    decide,
-    reason_for,
-    requestable,
-    worth_trying_next,
-)
+from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP, Decision, decide, reason_for, requestable
 from ctxrelay.relay.graph import Profile, TransportGraph
 from ctxrelay.relay.store import StateKey, StateStore, StoreUnavailable, open_store
 from ctxrelay.state import ContextState, content_hash
@@ -219,13 +211,14 @@ class ModelPool:
 
     def _relay_checked(self, d: Decision, state, r, suffix, timings, threshold, check) -> tuple:
         """Relay through the gate's cheapest candidate; where the relay would answer nothing or the
-        transport estimates THIS request below the threshold, try the next candidate whose expected TTFT
-        is below native prefill's (gate.worth_trying_next). Returns (RelayOutput, "") or (None, why native)."""
+        transport estimates THIS request below the threshold, try the next candidate. Each one's expected
+        TTFT beats native prefill by the margin (the gate kept no other), and the refused relay's time is
+        spent whichever way the request goes, so it does not count against the next (counting it sent
+        requests to native prefill when a relay left was still the faster way on).
+        Returns (RelayOutput, "") or (None, why native)."""
         tried: list[str] = []
         for i, c in enumerate(d.candidates):
             if i:
-                if not worth_trying_next(c.expected_s, d.predicted_native_s):
-                    break
                 d.choose(c, reason_for(c, d.predicted_native_s, threshold))
             ta = time.perf_counter()
             try:

@@ -10,11 +10,12 @@ expected TTFT: the predicted TTFT, plus, where a trusted per-request estimate wi
 native prefill for the share of calibration texts that estimate refused (a refused relay is paid
 before native prefill). So a point that is fast when it passes but usually refused ranks behind a
 slower one that always serves. The relay layer tries the cheapest first and, when the transport's
-estimate for THIS request falls below the threshold, the next one whose expected TTFT is still below
-native prefill's (what a refused relay cost is paid either way, so it does not count against the
-next). An exact transport (a model continuing from its own K/V) reproduces native prefill and skips
-it, so it needs no quality or cost check. Every decision carries its reason. The gate knows
-transports only through the registry (what each one reads from a state, whether it is exact).
+estimate for THIS request falls below the threshold, the next one: every candidate's expected TTFT
+already beats native prefill by the margin, and what a refused relay cost is paid either way, so it
+does not count against the next. An exact transport (a model continuing from its own K/V)
+reproduces native prefill and skips it, so it needs no quality or cost check. Every decision
+carries its reason. The gate knows transports only through the registry (what each one reads from a
+state, whether it is exact).
 """
 
 from __future__ import annotations
@@ -222,13 +223,6 @@ def expected_with_refusals(relay_s: float, native_s: float, estimates: list[floa
     calibration texts the per-request estimate put below the threshold."""
     refused = sum(e < threshold for e in estimates) / len(estimates)
     return relay_s + refused * native_s, refused
-
-
-def worth_trying_next(expected_s: float | None, native_s: float | None) -> bool:
-    """After a refused relay: whether the next candidate beats native prefill from now on. The refused
-    relay's time is spent whichever comes next, so counting it against the next candidate (as this
-    rule once did) sent a request to native prefill when a relay left was still the faster way on."""
-    return expected_s is not None and native_s is not None and expected_s < native_s
 
 
 def _logged(d: Decision) -> Decision:
