@@ -153,3 +153,19 @@ def test_copy_sources_find_what_followed_the_contexts_last_tokens_earlier():
     pos = copy_sources(ids, budget=12, n=6)
     assert pos.tolist() == list(range(2, 14))  # the earlier "7..12" and what came after it
     assert copy_sources(torch.arange(50), budget=12, n=6).numel() == 0  # nothing repeats
+
+
+def test_copy_sources_give_the_latest_distinct_source_the_depth():
+    from ctxrelay.transports.heterofold.recompute import copy_sources
+
+    tail = [7, 8, 9, 10, 11, 12]
+    quoted = list(range(200, 240))  # what followed the tail each time it occurred before
+    filler = list(range(300, 330))
+    ids = torch.tensor(tail + quoted + filler + tail + quoted + filler + tail)
+    second = len(tail + quoted + filler)  # start of the latest earlier occurrence
+    # the same text quoted twice is one source: the whole budget runs on from the latest one
+    assert copy_sources(ids, budget=30, n=6).tolist() == list(range(second, second + 30))
+    other = torch.tensor(tail + list(range(400, 440)) + filler + tail + quoted + filler + tail)
+    pos = copy_sources(other, budget=30, n=6).tolist()
+    latest = [p for p in pos if p >= second]
+    assert latest == list(range(second, second + 15)) and len(pos) == 30  # half each: two distinct sources

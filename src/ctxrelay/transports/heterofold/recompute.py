@@ -15,8 +15,9 @@ sentence):
   recency    the last tokens of the context
   mix        the last 33 tokens; where the context's last 6 tokens occurred before, what followed
              them there (a continuation that repeats the context copies from there; up to a quarter
-             of the budget); the sentences matching the query (BM25 score >= half the best, while
-             they fit: needle facts); then more of the last tokens for the rest of the budget
+             of the budget, at least half of it to the latest distinct source); the sentences
+             matching the query (BM25 score >= half the best, while they fit: needle facts); then
+             more of the last tokens for the rest of the budget
   adaptive   the matching sentences + a recency window of a quarter of the budget: the matches
              decide f (f is a cap; the best match always goes in)
 Measured (bench heterofold-frontier): the deviation rule helps neither facts nor continuations
@@ -84,17 +85,32 @@ def sentence_tokens(offsets: torch.Tensor, text: str) -> list[torch.Tensor]:
 
 def copy_sources(ids: torch.Tensor, budget: int, n: int = COPY_NGRAM) -> torch.Tensor:
     """Where the context's last n tokens occurred before, the tokens from there on (a continuation that
-    repeats the context copies from there, as prompt-lookup decoding assumes), latest first, within
-    `budget`."""
+    repeats the context copies from there, as prompt-lookup decoding assumes), within `budget`.
+
+    Earlier occurrences followed by the same tokens are one source (the latest is kept), and the
+    latest source gets at least half the budget: a copied continuation runs for many tokens. Split
+    evenly over repeats, each got a few dozen, and ShareGPT conversations that quote their earlier code
+    measured ppl@128 8-11x native with ppl@32 1.0-1.3x (the copy's later part stayed translated)."""
     t = ids.shape[0]
     if t <= 2 * n or budget <= 0:
         return torch.zeros(0, dtype=torch.long)
     hits = (ids[: t - n].unfold(0, n, 1) == ids[t - n :]).all(1).nonzero().view(-1)  # earlier starts
     hits = hits[hits + n < t - n]
-    if not hits.numel():
+    sources: list[int] = []
+    seen: set[tuple[int, ...]] = set()
+    for p in hits.flip(0).tolist():  # latest first
+        following = tuple(ids[p + n : p + 2 * n].tolist())
+        if following not in seen:
+            seen.add(following)
+            sources.append(p)
+        if len(sources) == 4:
+            break
+    if not sources:
         return torch.zeros(0, dtype=torch.long)
-    per = max(n + 1, budget // min(4, hits.numel()))
-    spans = [torch.arange(int(p), min(int(p) + per, t)) for p in hits.flip(0)[:4]]
+    others = len(sources) - 1
+    rest = budget // 2 if others else 0
+    shares = [budget - rest] + [max(n + 1, rest // max(1, others))] * others
+    spans = [torch.arange(p, min(p + share, t)) for p, share in zip(sources, shares, strict=True)]
     return torch.unique(torch.cat(spans))[:budget]
 
 
