@@ -61,6 +61,15 @@ def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path, capsys):
                     options={**opts, "rules": "recency,lexical,mix", "phase": "quality"})  # fmt: skip
     rows3 = json.loads(more.read_text())["rows"]
     assert len(rows3) == len(doc["rows"]) + 3 and {x["selection"] for x in rows3} >= {"mix"}
+    # redo a changed rule on one dataset: only those rows are measured again, the rest kept as they were
+    redo = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, command="pytest",
+                    options={**opts, "rules": "recency,lexical,mix", "phase": "quality", "redo": "mix",
+                             "redo_datasets": "sharegpt"})  # fmt: skip
+    rows4 = json.loads(redo.read_text())["rows"]
+    redone = [x for x in rows4 if x not in rows3]
+    assert len(rows4) == len(rows3) and [(x["selection"], x["dataset"]) for x in redone] == [("mix", "sharegpt")]
+    with pytest.raises(UsageError, match="redo_datasets"):
+        hf.bench(sender="S", receiver="R", lengths=[160], options={"redo": "mix", "redo_datasets": "essays"})
 
 
 def test_frontier_refuses_bad_options():

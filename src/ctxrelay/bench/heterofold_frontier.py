@@ -74,6 +74,7 @@ OPTIONS = {
     "resume": True,
     "phase": "both",  # quality | timing | both (timing runs must have the machine to themselves) | report
     "redo": "",  # comma list of rules whose kept rows of this phase are measured again (the rule changed)
+    "redo_datasets": "",  # with redo: only rows of these datasets (comma list of needle, sharegpt; empty: all)
 }
 CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "ref_tokenizer", "seed")
 
@@ -249,6 +250,9 @@ def bench(
     opts = {**OPTIONS, **(options or {})}
     resume, phase = bool(opts.pop("resume")), str(opts.pop("phase"))
     redo = {r for r in str(opts.pop("redo")).split(",") if r}
+    redo_sets = {d for d in str(opts.pop("redo_datasets")).split(",") if d}
+    if redo_sets - {"needle", "sharegpt"}:
+        raise UsageError(f"redo_datasets takes needle and/or sharegpt, not {sorted(redo_sets)}")
     if phase not in ("quality", "timing", "both", "report"):
         raise UsageError(f"phase must be quality, timing, both or report, not {phase!r}")
     if phase == "report":  # nothing measured: the rows already there, their tables (again) and plot
@@ -260,9 +264,13 @@ def bench(
     extra = {"options": {k: opts[k] for k in CASE_OPTIONS}, "lengths": sorted(lengths), "repeats": repeats}
     extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
 
-    def stale(x: dict) -> bool:  # a row of a rule to measure again, in the phase this run measures
+    def stale(x: dict) -> bool:  # a row of a rule to measure again: this run's phase, directions, datasets
         timing = x.get("kind") == "timing"
-        return x["selection"] in redo and (phase == "both" or timing == (phase == "timing"))
+        if x["selection"] not in redo or (x["sender"], x["receiver"]) not in dirs:
+            return False
+        if redo_sets and (timing or x.get("dataset") not in redo_sets):
+            return False
+        return phase == "both" or timing == (phase == "timing")
 
     earlier = (reusable(out, extra) if resume else None) or {}
     rows = [x for x in earlier.get("rows", []) if not stale(x)]
