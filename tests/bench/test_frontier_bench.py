@@ -53,6 +53,15 @@ def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path, capsys):
     report = capsys.readouterr().out
     assert "| S -> R | 160 | lexical | 0.50 |" in report and "| S -> R | 160 | 3 | native x3 | " in report
     assert report.count("\n|---") == 4 and path.with_suffix(".png").exists()
+    # the report keeps the facts of the machine that measured the rows (a resume is matched on them)
+    stamped = json.loads(path.read_text())
+    machine = dict(stamped["machine"])
+    stamped["machine"]["cpu_model"] = "the measuring machine"
+    path.write_text(json.dumps(stamped))
+    hf.bench(sender="S", receiver="R", options={"phase": "report"})
+    stamped = json.loads(path.read_text())
+    assert stamped["machine"]["cpu_model"] == "the measuring machine"
+    path.write_text(json.dumps({**stamped, "machine": machine}))
     # a rerun with the same cases and options measures nothing again
     again = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts, command="pytest")
     assert json.loads(again.read_text())["rows"] == doc["rows"]

@@ -367,7 +367,8 @@ def report(out: str) -> Path:
     doc = read_results(out)
     arts = {d: _artifact(*d) for d in sorted({(x["sender"], x["receiver"]) for x in doc["rows"]})}
     keep = {k: v for k, v in doc.items() if k not in ("rows", "command", "machine", "git_commit", "written")}
-    path = write_results(out, doc["rows"], doc["command"], {**keep, **derived(doc["rows"], arts)})
+    # the rows' machine stays theirs: a later run resumes from them only on the same machine facts
+    path = write_results(out, doc["rows"], doc["command"], {**keep, **derived(doc["rows"], arts)}, doc["machine"])
     print(tables(read_results(path)))
     return plot(doc["rows"], path)
 

@@ -104,8 +104,11 @@ def validate_rows(rows: list[dict]) -> None:
         _check_value(f"rows[{i}]", row)
 
 
-def write_results(name: str, rows: list[dict], command: str, extra: dict | None = None) -> Path:
-    """Write benchmarks/results/NAME.json (or $CTXRELAY_RESULTS_DIR/NAME.json) atomically."""
+def write_results(
+    name: str, rows: list[dict], command: str, extra: dict | None = None, machine: dict | None = None
+) -> Path:
+    """Write benchmarks/results/NAME.json (or $CTXRELAY_RESULTS_DIR/NAME.json) atomically. `machine`:
+    the facts of the machine that measured the rows, where this process only re-derives tables."""
     if not command or not isinstance(command, str):
         raise UsageError("write_results needs the exact command that reproduces the rows")
     validate_rows(rows)
@@ -116,7 +119,7 @@ def write_results(name: str, rows: list[dict], command: str, extra: dict | None 
     _check_value("extra", extra)
     path = results_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"command": command, "machine": machine_facts(), "rows": list(rows)}
+    doc = {"command": command, "machine": machine or machine_facts(), "rows": list(rows)}
     root = repo_root()
     commit = git_commit(root) if root else None
     if commit:
