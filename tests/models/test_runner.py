@@ -4,6 +4,7 @@ import torch
 
 from conftest import SAMPLE_TEXT
 from ctxrelay.models import runner
+from ctxrelay.models import attention
 from ctxrelay.models.attention import probs_attention
 from ctxrelay.models.tokens import tokenize_context
 
@@ -159,3 +160,29 @@ def test_positions_must_fill_the_cache_without_gaps(tiny):
             raise AssertionError(f"positions {bad} were accepted")
     out = runner.forward(tiny, ids[:3], cache, positions=torch.tensor([2, 10, 11]), logits="none")  # overwrite + append
     assert out.cache.length == 12
+
+
+def _full_mask_attention(c):
+    """The reference: SDPA over the whole cache with the full visibility mask."""
+    gqa = c.q.shape[1] != c.k.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(
+        c.q, c.k, c.v, attn_mask=attention.call_mask(c), scale=c.scale, enable_gqa=gqa
+    )
+
+
+def test_native_attention_gives_each_query_only_the_keys_it_can_see(monkeypatch):
+    """Sliding-window layers run SDPA per chunk of query rows on the keys inside their windows (and
+    no layer reads keys past its last query); the output equals SDPA over the whole masked cache:
+    a prefill, an appended chunk, scattered positions with a key mask, one decode step."""
+    monkeypatch.setattr(attention, "WINDOW_CHUNK", 5)
+    g = torch.Generator().manual_seed(0)
+    s, h, hkv, d = 61, 4, 2, 8
+    k, v = torch.randn(1, hkv, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g)
+    hide = torch.rand(s, generator=g) > 0.3
+    scattered = torch.tensor([0, 2, 3, 9, 30, 31, 32, 33, 40, 58])
+    hide[scattered] = True  # a query always sees itself
+    for window in (None, 7):
+        for q_start, t, pos, key_mask in ((0, s, None, None), (20, 41, None, None), (0, 10, scattered, hide), (60, 1, None, None)):  # fmt: skip
+            q = torch.randn(1, h, t, d, generator=g)
+            c = attention.AttnCall(0, q, k, v, q_start, d**-0.5, window, None, pos, key_mask)
+            assert (attention.native_attention(c) - _full_mask_attention(c)).abs().max() < 1e-5

@@ -34,6 +34,9 @@ class AttnCall:
         return torch.arange(self.q_start, self.q_start + self.q.shape[2], device=self.q.device)
 
 
+# query rows per SDPA call in sliding-window layers: each call sees rows + window - 1 keys
+WINDOW_CHUNK = 256
+
 AttnFn = Callable[[AttnCall], torch.Tensor]
 ProbsCallback = Callable[[int, int, torch.Tensor], None]  # (layer, first query row, probs [H, rows, S])
 QKCallback = Callable[[AttnCall], None]  # a layer's attention inputs, seen before the attention runs
@@ -76,8 +79,27 @@ def native_attention(c: AttnCall) -> torch.Tensor:
     gqa = c.q.shape[1] != c.k.shape[1]
     if c.positions is None and c.key_mask is None and c.q_start == 0 and c.window is None and t == s:
         return F.scaled_dot_product_attention(c.q, c.k, c.v, is_causal=True, scale=c.scale, enable_gqa=gqa)
-    mask = call_mask(c)
-    return F.scaled_dot_product_attention(c.q, c.k, c.v, attn_mask=mask, scale=c.scale, enable_gqa=gqa)
+    qpos = c.query_positions
+    rows = WINDOW_CHUNK if c.window is not None else t
+    out = torch.empty_like(c.q)
+    for r0 in range(0, t, rows):
+        r = slice(r0, min(t, r0 + rows))
+        lo, hi = _key_range(qpos[r], s, c.window)
+        mask = positions_mask(qpos[r], hi, c.window)[:, lo:]
+        if c.key_mask is not None:
+            mask = mask & c.key_mask[lo:hi].to(mask.device)[None, :]
+        q, k, v = c.q[:, :, r], c.k[:, :, lo:hi], c.v[:, :, lo:hi]
+        out[:, :, r] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.scale, enable_gqa=gqa)
+    return out
+
+
+def _key_range(qpos: torch.Tensor, s: int, window: int | None) -> tuple[int, int]:
+    """The keys [lo, hi) any of these queries can see: none past the last query, none before the
+    first query's window. SDPA with a mask computes every key it is given, so a sliding-window layer
+    given the whole cache spent ~60% of gemma3's prefill at 4096 tokens on masked-out keys."""
+    hi = min(s, int(qpos.max()) + 1)
+    lo = 0 if window is None else max(0, int(qpos.min()) - window + 1)
+    return lo, max(hi, lo)
 
 
 def attention_logits(c: AttnCall, rows: slice | None = None) -> torch.Tensor:
