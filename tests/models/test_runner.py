@@ -3,8 +3,7 @@
 import torch
 
 from conftest import SAMPLE_TEXT
-from ctxrelay.models import runner
-from ctxrelay.models import attention
+from ctxrelay.models import attention, runner
 from ctxrelay.models.attention import probs_attention
 from ctxrelay.models.tokens import tokenize_context
 
@@ -181,8 +180,9 @@ def test_native_attention_gives_each_query_only_the_keys_it_can_see(monkeypatch)
     hide = torch.rand(s, generator=g) > 0.3
     scattered = torch.tensor([0, 2, 3, 9, 30, 31, 32, 33, 40, 58])
     hide[scattered] = True  # a query always sees itself
+    calls = ((0, s, None, None), (20, 41, None, None), (0, 10, scattered, hide), (60, 1, None, None))
     for window in (None, 7):
-        for q_start, t, pos, key_mask in ((0, s, None, None), (20, 41, None, None), (0, 10, scattered, hide), (60, 1, None, None)):  # fmt: skip
+        for q_start, t, pos, key_mask in calls:
             q = torch.randn(1, h, t, d, generator=g)
             c = attention.AttnCall(0, q, k, v, q_start, d**-0.5, window, None, pos, key_mask)
             assert (attention.native_attention(c) - _full_mask_attention(c)).abs().max() < 1e-5
