@@ -1,13 +1,25 @@
 """`ctxrelay bench heterofold-frontier` end to end on tiny models: rows, the f = 1 check, resume."""
 
 import json
+from contextlib import contextmanager
 
 import pytest
+import torch
 
 from conftest import zero_artifact
 from ctxrelay.bench import heterofold_frontier as hf
 from ctxrelay.errors import UsageError
 from ctxrelay.models.tiny import tiny_tokenizer
+
+
+@contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -79,6 +91,15 @@ def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path, capsys):
     assert len(rows4) == len(rows3) and [(x["selection"], x["dataset"]) for x in redone] == [("mix", "sharegpt")]
     with pytest.raises(UsageError, match="redo_datasets"):
         hf.bench(sender="S", receiver="R", lengths=[160], options={"redo": "mix", "redo_datasets": "essays"})
+    # a run that cannot extend the file (other threads, other cases) is refused, and the file is left whole
+    with pytest.raises(UsageError, match=r"torch_threads \(\d+ then, 3 now\).*resume=false"), torch_threads(3):
+        hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options={**opts, "phase": "quality"})
+    with pytest.raises(UsageError, match="differs in options, cases"):
+        hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options={**opts, "needles": 3})
+    assert json.loads(redo.read_text())["rows"] == rows4
+    fresh = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, command="pytest",
+                     options={**opts, "phase": "quality", "resume": False})  # fmt: skip
+    assert len(json.loads(fresh.read_text())["rows"]) == 3 * 3 + 1
 
 
 def test_frontier_refuses_bad_options():

@@ -6,7 +6,7 @@ import math
 import statistics
 from pathlib import Path
 
-from ctxrelay.bench.results import machine_facts, read_results
+from ctxrelay.bench.results import machine_facts, read_results, results_path
 from ctxrelay.bench.results import markdown_table as _markdown
 from ctxrelay.errors import UsageError
 
@@ -15,16 +15,24 @@ SAME_MACHINE = ("cpu_model", "cores", "torch_threads", "device", "torch")
 
 def reusable(out: str, extra: dict) -> dict | None:
     """An earlier run's results with the same cases, options, repeats and machine (any directions),
-    whose rows this run keeps; None when there is none."""
+    whose rows this run keeps; None when there is no earlier file. An earlier file this run cannot
+    extend is refused, naming what differs: starting over would overwrite its rows with this run's
+    (a resume at other torch threads once dropped every row of the frontier that way)."""
+    path = Path(out) if Path(out).suffix == ".json" else results_path(out)
+    if not path.exists():
+        return None
     try:
-        doc = read_results(out)
-    except (UsageError, ValueError):
-        return None
-    if any(doc.get(k) != extra[k] for k in ("options", "lengths", "repeats", "cases")):
-        return None
+        doc = read_results(path)
+    except ValueError:
+        doc = {}
     now, then = machine_facts(), doc.get("machine", {})
-    if any(now.get(k) != then.get(k) for k in SAME_MACHINE):
-        return None
+    differs = [k for k in ("options", "lengths", "repeats", "cases") if doc.get(k) != extra[k]]
+    differs += [f"{k} ({then.get(k)} then, {now.get(k)} now)" for k in SAME_MACHINE if now.get(k) != then.get(k)]
+    if differs:
+        raise UsageError(
+            f"{path} holds rows of a run this one cannot extend (it differs in {', '.join(differs)}); "
+            "rerun with the same settings, or pick another --out, or --set resume=false to overwrite it"
+        )
     return doc
 
 
