@@ -6,7 +6,7 @@ import math
 import statistics
 from pathlib import Path
 
-from ctxrelay.bench.results import machine_facts, read_results, results_path
+from ctxrelay.bench.results import machine_facts, read_results, results_file
 from ctxrelay.bench.results import markdown_table as _markdown
 from ctxrelay.errors import UsageError
 
@@ -18,13 +18,13 @@ def reusable(out: str, extra: dict) -> dict | None:
     whose rows this run keeps; None when there is no earlier file. An earlier file this run cannot
     extend is refused, naming what differs: starting over would overwrite its rows with this run's
     (a resume at other torch threads once dropped every row of the frontier that way)."""
-    path = Path(out) if Path(out).suffix == ".json" else results_path(out)
+    path = results_file(out)
     if not path.exists():
         return None
     try:
         doc = read_results(path)
-    except ValueError:
-        doc = {}
+    except ValueError as e:
+        raise UsageError(f"{path} is not a readable results file ({e}); move it away or --set resume=false") from None
     now, then = machine_facts(), doc.get("machine", {})
     differs = [k for k in ("options", "lengths", "repeats", "cases") if doc.get(k) != extra[k]]
     differs += [f"{k} ({then.get(k)} then, {now.get(k)} now)" for k in SAME_MACHINE if now.get(k) != then.get(k)]

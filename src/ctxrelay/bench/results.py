@@ -154,10 +154,14 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def read_results(name_or_path: str | Path) -> dict:
+def results_file(name_or_path: str | Path) -> Path:
+    """A results name (under benchmarks/results) or a .json path, as the file it names."""
     path = Path(name_or_path)
-    if path.suffix != ".json":
-        path = results_path(str(name_or_path))
+    return path if path.suffix == ".json" else results_path(str(name_or_path))
+
+
+def read_results(name_or_path: str | Path) -> dict:
+    path = results_file(name_or_path)
     if not path.exists():
         raise UsageError(f"no results file at {path}; run the benchmark that writes it first")
     return json.loads(path.read_text())

@@ -42,11 +42,11 @@ ProbsCallback = Callable[[int, int, torch.Tensor], None]  # (layer, first query 
 QKCallback = Callable[[AttnCall], None]  # a layer's attention inputs, seen before the attention runs
 
 
-def positions_mask(qpos: torch.Tensor, s: int, window: int | None) -> torch.Tensor:
-    """Boolean [len(qpos), s]: True where the query at position qpos[i] may attend the key at j
-    (causal by position, and inside the sliding window where the layer has one)."""
+def positions_mask(qpos: torch.Tensor, s: int, window: int | None, k_start: int = 0) -> torch.Tensor:
+    """Boolean [len(qpos), s - k_start]: True where the query at position qpos[i] may attend the key
+    at k_start + j (causal by position, and inside the sliding window where the layer has one)."""
     q = qpos.view(-1, 1)
-    kpos = torch.arange(s, device=qpos.device)[None, :]
+    kpos = torch.arange(k_start, s, device=qpos.device)[None, :]
     mask = kpos <= q
     if window is not None:
         mask &= kpos > q - window
@@ -64,11 +64,13 @@ def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def call_mask(c: AttnCall, rows: slice | None = None) -> torch.Tensor:
-    """Boolean [T, S] (or [rows, S]) of what each query may attend (by position, window, key mask)."""
+def call_mask(c: AttnCall, rows: slice | None = None, keys: tuple[int, int] | None = None) -> torch.Tensor:
+    """Boolean [T, S] (or [rows, S], or [rows, hi - lo] for keys=(lo, hi)) of what each query may
+    attend (by position, window, key mask)."""
     qpos = c.query_positions if rows is None else c.query_positions[rows]
-    mask = positions_mask(qpos, c.k.shape[2], c.window)
-    return mask if c.key_mask is None else mask & c.key_mask.to(mask.device)[None, :]
+    lo, hi = keys or (0, c.k.shape[2])
+    mask = positions_mask(qpos, hi, c.window, lo)
+    return mask if c.key_mask is None else mask & c.key_mask[lo:hi].to(mask.device)[None, :]
 
 
 def native_attention(c: AttnCall) -> torch.Tensor:
@@ -85,10 +87,8 @@ def native_attention(c: AttnCall) -> torch.Tensor:
     for r0 in range(0, t, rows):
         r = slice(r0, min(t, r0 + rows))
         lo, hi = _key_range(qpos[r], s, c.window)
-        mask = positions_mask(qpos[r], hi, c.window)[:, lo:]
-        if c.key_mask is not None:
-            mask = mask & c.key_mask[lo:hi].to(mask.device)[None, :]
         q, k, v = c.q[:, :, r], c.k[:, :, lo:hi], c.v[:, :, lo:hi]
+        mask = call_mask(c, r, (lo, hi))
         out[:, :, r] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.scale, enable_gqa=gqa)
     return out
 
