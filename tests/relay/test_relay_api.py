@@ -256,3 +256,30 @@ def test_cost_model_fits_and_predicts():
     cm = CostModel.fit(samples)
     for n in (300, 3000, 8192):
         assert cm.total(n) == pytest.approx(0.1 + 2e-4 * n + 1e-8 * n * n, rel=1e-3)
+
+
+def test_gate_judges_a_point_at_the_requests_length(tiny_by_family, tmp_path):
+    """A recompute point calibrated at two context lengths passes a request at the length where its
+    top-1 holds and is refused, naming the length, where it does not; between them it interpolates."""
+    from ctxrelay.relay.gate import quality_at
+
+    s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    table = [{"f": 0.2, "selection": "mix", "tokens": 2048, "top1_agreement": 0.9},
+             {"f": 0.2, "selection": "mix", "tokens": 4096, "top1_agreement": 0.7}]  # fmt: skip
+    art = Artifact("heterofold", 1, model_binding(s), model_binding(r), {"w": torch.zeros(1)},
+                   quality={"top1_agreement": 0.5, "recompute": table})  # fmt: skip
+    art.save(tmp_path / "e.safetensors")
+    prof = _profile(s, r)
+    key = edge_key("heterofold", s.spec.weights_hash, r.spec.weights_hash)
+    prof.edges[f"{key}@f=0.20 mix"] = prof.edges[key]
+    graph = TransportGraph.build([s, r], [tmp_path], prof)
+    short = decide(graph, _state(s), r.spec.weights_hash, 2048, quality_threshold=0.8)
+    assert short.transport == "heterofold" and "0.90 (calibrated at 2048 tokens)" in short.reason
+    long = decide(graph, _state(s), r.spec.weights_hash, 4096, quality_threshold=0.8)
+    assert long.transport == "native"
+    assert "f=0.20 mix: calibrated top-1 agreement 0.70 (calibrated at 4096 tokens) is below" in long.reason
+    point = next(p for p in graph.edges[0].points if p.label)
+    mid = quality_at(point.quality, 2896)  # the geometric middle of 2048 and 4096
+    assert abs(mid["top1_agreement"] - 0.8) < 1e-3 and "interpolated" in mid["at_tokens"]
+    assert quality_at(point.quality, 16384)["top1_agreement"] == 0.7  # no extrapolation past the longest
+    assert quality_at({"top1_agreement": 0.6}, 4096) == {"top1_agreement": 0.6}  # one length: as calibrated

@@ -176,34 +176,37 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 def _candidates(quality: dict, timing: dict, key: tuple, threshold: float, margin: float) -> list[tuple]:
-    """(rule, f, relay_s, native_s) of the points passing the gate's checks, by f: calibrated top-1 and
-    (where the artifact measured it) fact recall at the threshold, measured TTFT beating native by the
-    margin, also counting the relays a trusted per-request estimate refused on the calibration texts."""
-    from ctxrelay.relay.gate import expected_with_refusals, quality_refusal
-    from ctxrelay.transports.heterofold.recompute import calibrated_estimates
+    """(rule, f, relay_s, native_s) of the points passing the gate's checks, by f: calibrated top-1 at the
+    key's length and (where the artifact measured it) fact recall at the threshold, measured TTFT beating
+    native by the margin, also counting the relays a trusted per-request estimate refused on the
+    calibration texts."""
+    from ctxrelay.relay.gate import expected_with_refusals, quality_at, quality_refusal
 
     out = []
     for p in _points(quality):
+        p = quality_at(p, key[2])
         t = timing.get((*key, p["selection"], p["f"]))
         if not t or quality_refusal(p, threshold) is not None:
             continue
-        ests = calibrated_estimates(quality.get("estimate"), quality.get("recompute_rows", []), p["f"])
         expected = t["relay_ttft_s"]
-        if ests:
-            expected = expected_with_refusals(t["relay_ttft_s"], t["native_ttft_s"], ests, threshold)[0]
+        if p.get("calibrated_estimates"):
+            expected = expected_with_refusals(
+                t["relay_ttft_s"], t["native_ttft_s"], p["calibrated_estimates"], threshold
+            )[0]
         if expected * margin < t["native_ttft_s"]:
             out.append((p["selection"], p["f"], t["relay_ttft_s"], t["native_ttft_s"]))
     return out
 
 
 def _points(quality: dict) -> list[dict]:
-    """An artifact's recompute points by f, each with the fact stage's fields at its f (as the gate sees it)."""
-    from ctxrelay.transports.heterofold.facts import FACT_FIELDS, facts_at
+    """An artifact's recompute points as the gate sees them (the transport's operating points: the fact
+    stage's fields at each f, per-length quality where the stage ran at several lengths), by f."""
+    from ctxrelay.transports.heterofold import transport
+    from ctxrelay.transports.heterofold.facts import facts_at
 
-    fields = (*FACT_FIELDS, "cases")
-    return [
-        {**p, **facts_at(quality, p["f"], fields)} for p in sorted(quality.get("recompute", []), key=lambda p: p["f"])
-    ]
+    params = {"recompute_stage": {"rows": quality.get("recompute_rows", [])}}
+    points = [p["quality"] for p in transport.operating_points(params, quality) if p["options"]]
+    return [{**p, **facts_at(quality, p["f"], ("cases",))} for p in points]
 
 
 def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, threshold: float) -> dict:
@@ -268,8 +271,9 @@ def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: flo
 
 
 def _info(row: dict, which: str) -> dict:
-    """A row's relay signals with the fraction asked for (what the estimate is centred on)."""
-    return {"requested_fraction": row["f"], **row.get(which, {})}
+    """A row's relay signals with the fraction asked for and the context length (what the estimate is
+    centred on)."""
+    return {"requested_fraction": row["f"], "context_tokens": row.get("context_tokens"), **row.get(which, {})}
 
 
 def _point_key(x: dict) -> tuple:
@@ -315,25 +319,30 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
     heads = ["direction", "f", "signal", "requests", "Spearman top-1", "questions", "Spearman needle"]
     lines += ["", *_markdown(heads, est)]
     cal = [
-        [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", _cell(x.get("top1_agreement"), ".3f"),
+        [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", str(x.get("tokens", 2048)),
+         _cell(x.get("top1_agreement"), ".3f"),
          "-" if x.get("native_right") is None else f"{x['kept']}/{x['native_right']} of {x['cases']}",
          _cell(x.get("fact_recall")), "yes" if x["passes"] else "no"]
         for x in doc.get("calibrated", [])
     ]  # fmt: skip
-    heads = ["direction", "f", "calibrated top-1", "facts kept", "fact recall", "passes the gate's quality"]
+    heads = ["direction", "f", "tokens", "calibrated top-1", "facts kept", "fact recall", "passes the gate's quality"]
     lines += ["", *_markdown(heads, cal)]
     return "\n".join(lines)
 
 
 def calibrated_points(qualities: dict, threshold: float) -> list[dict]:
-    """Per direction and f of the artifact's recompute table: calibrated top-1, the fact stage's counts, and
-    whether the point passes the gate's quality checks at `threshold` (before cost)."""
-    from ctxrelay.relay.gate import quality_refusal
+    """Per direction, f and calibrated length of the artifact's recompute table: calibrated top-1, the
+    fact stage's counts, and whether the point passes the gate's quality checks at `threshold` (before
+    cost) for requests of that length."""
+    from ctxrelay.relay.gate import quality_at, quality_refusal
 
     out = []
     for (s, r), q in sorted(qualities.items()):
         for p in _points(q):
             counts = {k: p[k] for k in ("cases", "native_right", "kept", "fact_recall") if p.get(k) is not None}
-            out.append({"sender": s, "receiver": r, "f": p["f"], "top1_agreement": p["top1_agreement"],
-                        "passes": quality_refusal(p, threshold) is None, **counts})  # fmt: skip
+            for n in [x["tokens"] for x in p.get("by_tokens", [])] or [p.get("tokens", 2048)]:
+                at = quality_at(p, n)
+                out.append({"sender": s, "receiver": r, "f": p["f"], "tokens": n,
+                            "top1_agreement": at["top1_agreement"],
+                            "passes": quality_refusal(at, threshold) is None, **counts})  # fmt: skip
     return out

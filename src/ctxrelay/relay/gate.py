@@ -21,6 +21,7 @@ state, whether it is exact).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from ctxrelay import transports
@@ -46,6 +47,7 @@ class Candidate:
     edge: Edge
     point: OperatingPoint
     predicted_s: float | None  # None: exact transport without a cost profile (never slower than native)
+    quality: dict = field(default_factory=dict)  # the point's calibrated quality at this request's length
     expected_s: float | None = None  # predicted_s + native prefill x the share its estimate refuses
     refused: float = 0.0  # that share: calibration texts its trusted per-request estimate put below the threshold
 
@@ -137,7 +139,9 @@ def decide(
     for e in edges:
         why = _unusable(e, state, receiver_hash)
         for p in e.points:
-            c = Candidate(e, p, p.cost.total(n_tokens) + overhead_s if p.cost else None)
+            c = Candidate(
+                e, p, p.cost.total(n_tokens) + overhead_s if p.cost else None, quality_at(p.quality, n_tokens)
+            )
             c.expected_s, c.refused = _expected(c, native_s, quality_threshold)
             if why is None and requested == "auto" and not e.exact:
                 why_p = _not_worth_it(c, native_s, quality_threshold, min_speedup)
@@ -162,18 +166,44 @@ def reason_for(c: Candidate, native_s: float | None, threshold: float, requested
         return f"{c.edge.transport}: exact (reproduces the receiver's native prefill) and skips the context prefill"
     if requested != "auto":
         return f"{c.label} requested explicitly (cost and quality gates skipped; bindings checked)"
-    q = c.point.quality.get("top1_agreement")
-    facts = c.point.quality.get("fact_recall")
-    kept = "" if facts is None else f" and fact recall {_recall(c.point.quality)}"
+    q = c.quality.get("top1_agreement")
+    facts = c.quality.get("fact_recall")
+    kept = "" if facts is None else f" and fact recall {_recall(c.quality)}"
+    at = f" ({c.quality['at_tokens']})" if "at_tokens" in c.quality else ""
     refusals = f", {c.expected_s:.2f} s expected with its estimate's refusals" if c.refused else ""
     return (
         f"{c.label} predicted {c.predicted_s:.2f} s{refusals} vs native {native_s:.2f} s "
-        f"({native_s / c.predicted_s:.1f}x) with calibrated top-1 agreement {q:.2f}{kept} >= {threshold:.2f}"
+        f"({native_s / c.predicted_s:.1f}x) with calibrated top-1 agreement {q:.2f}{at}{kept} >= {threshold:.2f}"
     )
 
 
 def _recall(q: dict) -> str:
     return f"{q['fact_recall']:.2f} ({q.get('kept')}/{q.get('native_right')} facts)"
+
+
+def quality_at(quality: dict, n_tokens: int) -> dict:
+    """A point's calibrated quality for a request of n_tokens. A point calibrated at several context
+    lengths lists them in quality["by_tokens"] ({"tokens", "top1_agreement", "calibrated_estimates"}
+    each): top-1 agreement is interpolated linearly in log-length between the two calibrated lengths
+    around n_tokens (the nearest one outside their range: no extrapolation), the estimates are those of
+    the nearest length, and "at_tokens" says which lengths decided. Quality can fall with length (into
+    qwen-0.5b, top-1 at f = 0.3: 0.86 at 2048 tokens, lower at 4096), so a point judged at one length
+    only would pass requests it serves worse."""
+    levels = sorted(quality.get("by_tokens") or [], key=lambda x: x["tokens"])
+    if not levels:
+        return quality
+    n = max(1, int(n_tokens))
+    near = min(levels, key=lambda x: abs(math.log(x["tokens"]) - math.log(n)))
+    out = {**quality, **{k: v for k, v in near.items() if k != "tokens"}}
+    out["at_tokens"] = f"calibrated at {near['tokens']} tokens"
+    lo = [x for x in levels if x["tokens"] <= n]
+    hi = [x for x in levels if x["tokens"] >= n]
+    if lo and hi and lo[-1]["tokens"] < hi[0]["tokens"]:
+        a, b = lo[-1], hi[0]
+        w = (math.log(n) - math.log(a["tokens"])) / (math.log(b["tokens"]) - math.log(a["tokens"]))
+        out["top1_agreement"] = (1 - w) * a["top1_agreement"] + w * b["top1_agreement"]
+        out["at_tokens"] = f"interpolated between {a['tokens']} and {b['tokens']} tokens"
+    return out
 
 
 def quality_refusal(quality: dict, threshold: float) -> str | None:
@@ -183,7 +213,8 @@ def quality_refusal(quality: dict, threshold: float) -> str | None:
     if q is None:
         return "artifact records no calibrated top-1 agreement"
     if q < threshold:
-        return f"calibrated top-1 agreement {q:.2f} is below the threshold {threshold:.2f}"
+        at = f" ({quality['at_tokens']})" if "at_tokens" in quality else ""
+        return f"calibrated top-1 agreement {q:.2f}{at} is below the threshold {threshold:.2f}"
     facts = quality.get("fact_recall")
     if facts is not None and facts < threshold:
         return f"calibrated fact recall {_recall(quality)} is below the threshold {threshold:.2f}"
@@ -191,7 +222,7 @@ def quality_refusal(quality: dict, threshold: float) -> str | None:
 
 
 def _not_worth_it(c: Candidate, native_s: float | None, threshold: float, min_speedup: float) -> str | None:
-    why = quality_refusal(c.point.quality, threshold)
+    why = quality_refusal(c.quality, threshold)
     if why is not None:
         return why
     if native_s is None:
@@ -212,7 +243,7 @@ def _not_worth_it(c: Candidate, native_s: float | None, threshold: float, min_sp
 def _expected(c: Candidate, native_s: float | None, threshold: float) -> tuple[float | None, float]:
     """(expected TTFT, refused share): its predicted TTFT, plus native prefill for the share of requests
     its trusted per-request estimate would refuse (a refused relay is paid, then native prefill)."""
-    ests = c.point.quality.get("calibrated_estimates")
+    ests = c.quality.get("calibrated_estimates")
     if c.predicted_s is None or native_s is None or not ests:
         return c.predicted_s, 0.0
     return expected_with_refusals(c.predicted_s, native_s, ests, threshold)

@@ -48,3 +48,29 @@ def test_refit_stage_refits_the_estimate_from_the_stored_rows(tiny_by_family, tm
             out=str(zero_artifact(tiny_by_family["llama"], tiny_by_family["qwen2"]).save(tmp_path / "b.safetensors")),
             options={"stage": "refit"},
         )
+
+
+def test_recompute_stage_at_a_second_length_keeps_the_first(tiny_by_family, monkeypatch):
+    """`--set recompute_tokens=N` adds N's rows, table and command beside the other lengths' and
+    replaces only N's: the gate then reads each request's length."""
+    from conftest import SAMPLE_TEXT, zero_artifact
+    from ctxrelay.transports.heterofold import transport
+
+    words = SAMPLE_TEXT.split()
+    texts = {n: [" ".join(words[i:] + words[:i]) * (n // 64) for i in range(0, 25, 5)] for n in (64, 128)}
+    monkeypatch.setattr(calib_data, "recompute_texts", lambda tok, opts: texts[int(opts["recompute_tokens"])])
+    s, r = tiny_by_family["llama"], tiny_by_family["gemma3"]
+    art = zero_artifact(s, r)
+    opts = {**calib_data.RECOMPUTE_DEFAULTS, "fractions": "0.2"}
+    for n, cmd in ((64, "first"), (128, "second"), (64, "again")):
+        calib_data._add_recompute_stage(s, r, art, {**opts, "recompute_tokens": n}, cmd)
+    stage = art.params["recompute_stage"]
+    assert sorted({(x["tokens"], x["f"]) for x in stage["rows"]}) == [(64, 0.2), (128, 0.2)]
+    assert len(stage["rows"]) == 10  # 5 texts per length; the second run at 64 replaced the first's rows
+    assert [(q["tokens"], q["f"]) for q in art.quality["recompute"]] == [(64, 0.2), (128, 0.2)]
+    assert {k: v["command"] for k, v in stage["lengths"].items()} == {"64": "again", "128": "second"}
+    point = transport.operating_points(art.params, art.quality)[1]["quality"]
+    assert [x["tokens"] for x in point["by_tokens"]] == [64, 128]
+    other = {**opts, "recompute_tokens": 128, "rule": "recency"}  # another rule: the other lengths are dropped
+    calib_data._add_recompute_stage(s, r, art, other, "recency")
+    assert {x["tokens"] for x in art.params["recompute_stage"]["rows"]} == {128}

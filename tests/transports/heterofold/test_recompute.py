@@ -169,3 +169,33 @@ def test_copy_sources_give_the_latest_distinct_source_the_depth():
     pos = copy_sources(other, budget=30, n=6).tolist()
     latest = [p for p in pos if p >= second]
     assert latest == list(range(second, second + 15)) and len(pos) == 30  # half each: two distinct sources
+
+
+def test_the_estimate_is_centred_per_calibrated_length():
+    """Where mean top-1 falls with length and the signal does not, centres from one length would rank a
+    mix of lengths by length; per-length centres rank requests by their signal within their length."""
+    from ctxrelay.transports.heterofold.faithful import fit_estimate
+    from ctxrelay.transports.heterofold.recompute import calibrated_estimates, estimate
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n, base in ((2048, 0.9), (4096, 0.8)):
+        for i in range(8):
+            sig = 0.1 + 0.02 * i + 0.002 * float(torch.rand(1, generator=gen))
+            rows.append({"f": 0.3, "tokens": n, "translated_attention": sig, "top1_agreement": base - 0.5 * sig})
+    est = fit_estimate(rows)
+    assert est["signal"] == "translated_attention" and est["spearman"] == pytest.approx(-1.0)
+    assert set(est["lengths"]) == {"2048", "4096"} and est["slope"] == pytest.approx(-0.5, abs=1e-6)
+    info = {"translated_attention": 0.15, "requested_fraction": 0.3}
+    at = {n: estimate(est, {**info, "context_tokens": n}) for n in (1024, 2048, 2896, 4096, 8192)}
+    assert at[2048] == pytest.approx(0.9 - 0.5 * 0.15, abs=1e-3) and at[4096] == pytest.approx(0.8 - 0.075, abs=1e-3)
+    assert at[1024] == at[2048] and at[8192] == at[4096]  # the nearest calibrated length outside the range
+    assert at[2896] == pytest.approx((at[2048] + at[4096]) / 2, abs=1e-3)
+    assert estimate(est, info) == pytest.approx(at[2048])  # no length given: the shortest's centres
+    trusted = {**est, "spearman": -0.9}
+    assert len(calibrated_estimates(trusted, rows, 0.3)) == 16
+    long = calibrated_estimates(trusted, rows, 0.3, tokens=4096)
+    assert len(long) == 8 and max(long) < min(calibrated_estimates(trusted, rows, 0.3, tokens=2048))
+    # rows made before the stage knew lengths fit one set of centres, as they always did
+    legacy = fit_estimate([{k: v for k, v in r.items() if k != "tokens"} for r in rows if r["tokens"] == 2048])
+    assert "lengths" not in legacy and estimate(legacy, {**info, "context_tokens": 4096}) == pytest.approx(at[2048])

@@ -12,7 +12,7 @@ from pathlib import Path
 from ctxrelay.transports.base import Transport
 from ctxrelay.transports.heterofold.calibrate import METHODS, CalibConfig, calibrate
 from ctxrelay.transports.heterofold.facts import facts_at
-from ctxrelay.transports.heterofold.recompute import calibrated_estimates
+from ctxrelay.transports.heterofold.recompute import calibrated_estimates, row_tokens
 from ctxrelay.transports.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, identity_artifact, relay_prefill
 
 
@@ -26,16 +26,29 @@ class Heterofold(Transport):
         """Plain translation, then each recompute fraction the artifact's faithful stage measured; each
         with its fact recall where the fact stage measured it (the gate checks both) and, where the gate
         acts on the per-request estimate, what it estimated for each calibration text at that f (the
-        share it would refuse is a relay paid before native prefill: the gate counts that cost)."""
+        share it would refuse is a relay paid before native prefill: the gate counts that cost). A
+        fraction measured at several context lengths lists each under "by_tokens" (the gate reads the
+        request's length: relay.gate.quality_at); its top-level fields are the shortest length's."""
         points = [{"label": "", "options": {}, "quality": {**quality, **facts_at(quality, 0.0)}}]
         rows = (params.get("recompute_stage") or {}).get("rows", [])
-        for q in sorted(quality.get("recompute", []), key=lambda q: q["f"]):
+        model = quality.get("estimate")
+        by_f: dict[tuple, list[dict]] = {}
+        for q in quality.get("recompute", []):
             if q["f"] > 0:
-                opts = {"recompute": q["f"], "selection": q["selection"]}
-                label = f"f={q['f']:.2f} {q['selection']}"
-                ests = calibrated_estimates(quality.get("estimate"), rows, q["f"])
-                extra = {"calibrated_estimates": ests} if ests else {}
-                points.append({"label": label, "options": opts, "quality": {**q, **facts_at(quality, q["f"]), **extra}})
+                by_f.setdefault((q["f"], q["selection"]), []).append(q)
+        for (f, rule), levels in sorted(by_f.items()):
+            levels = sorted(levels, key=row_tokens)
+            several = len(levels) > 1
+            ests = [calibrated_estimates(model, rows, f, row_tokens(q) if several else None) for q in levels]
+            point_q = {**levels[0], **facts_at(quality, f), **({"calibrated_estimates": ests[0]} if ests[0] else {})}
+            if several:
+                point_q["by_tokens"] = [
+                    {"tokens": row_tokens(q), "top1_agreement": q["top1_agreement"], "calibrated_estimates": e}
+                    for q, e in zip(levels, ests, strict=True)
+                ]
+            points.append(
+                {"label": f"f={f:.2f} {rule}", "options": {"recompute": f, "selection": rule}, "quality": point_q}
+            )
         return points
 
     def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):

@@ -180,13 +180,32 @@ def _refit(path: Path, command: str) -> Path:
 
 
 def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
-    from ctxrelay.transports.heterofold.faithful import calibrate_recompute
+    """The faithful stage at opts["recompute_tokens"]. It replaces what the stage measured at that
+    length and keeps what it measured at others with the same rule (each length's command is kept),
+    so `--set recompute_tokens=4096` after the default 2048 calibrates the gate at both lengths."""
+    from ctxrelay.transports.heterofold.faithful import calibrate_recompute, estimate_entry
+    from ctxrelay.transports.heterofold.recompute import row_tokens
 
+    n, rule = int(opts["recompute_tokens"]), str(opts["rule"])
     fracs = [float(f) for f in str(opts["fractions"]).split(",") if f]
-    res = calibrate_recompute(s, r, art, recompute_texts(r.tokenizer, opts), fracs, str(opts["rule"]))
-    art.quality.update(recompute=res["recompute"], estimate=res["estimate"])
-    art.params["recompute_stage"] = {"command": command, "rows": res["recompute_rows"],
-                                     **{k: opts[k] for k in RECOMPUTE_DEFAULTS}}  # fmt: skip
+    old = art.params.get("recompute_stage") or {}
+    same_rule = old.get("rule", "mix") == rule
+    old_n = int(old.get("recompute_tokens", RECOMPUTE_DEFAULTS["recompute_tokens"]))
+
+    def keep(x: dict) -> bool:
+        return same_rule and row_tokens(x, old_n) != n
+
+    rows = [{**x, "tokens": row_tokens(x, old_n)} for x in old.get("rows", []) if keep(x)]
+    table = [{**q, "tokens": row_tokens(q, old_n)} for q in art.quality.get("recompute", []) if keep(q)]
+    runs = {k: v for k, v in (old.get("lengths") or {str(old_n): {"command": old.get("command")}}).items()
+            if same_rule and int(k) != n and v.get("command")}  # fmt: skip
+    res = calibrate_recompute(s, r, art, recompute_texts(r.tokenizer, opts), fracs, rule, tokens=n)
+    rows += res["recompute_rows"]
+    table = sorted(table + res["recompute"], key=lambda q: (q["tokens"], q["f"]))
+    art.quality.update(recompute=table, estimate=estimate_entry(rows, rule))
+    runs[str(n)] = {"command": command, **{k: opts[k] for k in RECOMPUTE_DEFAULTS}}
+    art.params["recompute_stage"] = {"command": command, "rows": rows, **{k: opts[k] for k in RECOMPUTE_DEFAULTS},
+                                     "lengths": dict(sorted(runs.items(), key=lambda kv: int(kv[0])))}  # fmt: skip
 
 
 def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str) -> None:

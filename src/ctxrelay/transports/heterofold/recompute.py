@@ -27,6 +27,7 @@ answers need and the recent tokens are what continuation agreement needs, so mix
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -232,23 +233,50 @@ def select(
 
 def estimate(model: dict | None, info: dict) -> float | None:
     """Predicted top-1 agreement of THIS request (faithful.fit_estimate): the calibrated mean at the
-    request's fraction plus the slope times how far its signal lies from that fraction's mean. None
-    where the artifact has no estimate or the signal was not measured (no recompute)."""
+    request's fraction and length plus the slope times how far its signal lies from that mean. Where
+    the stage ran at several context lengths (model["lengths"]), both means are interpolated linearly
+    in log-length between the calibrated lengths around the request's context_tokens (the nearest
+    outside them). None where the artifact has no estimate or the signal was not measured."""
     if not model or "centres" not in model or model.get("signal") not in info or "requested_fraction" not in info:
         return None
     f = float(info["requested_fraction"])
-    key = min(model["centres"], key=lambda k: abs(float(k) - f))
-    mean_signal, mean_top1 = model["centres"][key]
+    mean_signal, mean_top1 = _centre(model["centres"], f)
+    lengths = model.get("lengths")
+    if lengths and info.get("context_tokens"):
+        mean_signal, mean_top1 = _centre_at(lengths, f, int(info["context_tokens"]))
     return float(min(1.0, max(0.0, mean_top1 + model["slope"] * (float(info[model["signal"]]) - mean_signal))))
 
 
-def calibrated_estimates(model: dict | None, rows: list[dict], f: float) -> list[float]:
-    """What a trusted estimate said of each calibration text at fraction f (the recompute stage's rows);
-    empty where the gate does not act on the estimate."""
+def _centre(centres: dict, f: float) -> list[float]:
+    return centres[min(centres, key=lambda k: abs(float(k) - f))]
+
+
+def _centre_at(lengths: dict, f: float, n: int) -> tuple[float, float]:
+    """(mean signal, mean top-1) at fraction f for a context of n tokens, from per-length centres."""
+    levels = sorted((int(k), _centre(v, f)) for k, v in lengths.items())
+    lo = [x for x in levels if x[0] <= n] or levels[:1]
+    hi = [x for x in levels if x[0] >= n] or levels[-1:]
+    (a, ca), (b, cb) = lo[-1], hi[0]
+    w = 0.0 if a == b else (math.log(max(n, 1)) - math.log(a)) / (math.log(b) - math.log(a))
+    w = min(1.0, max(0.0, w))
+    return (1 - w) * ca[0] + w * cb[0], (1 - w) * ca[1] + w * cb[1]
+
+
+def calibrated_estimates(model: dict | None, rows: list[dict], f: float, tokens: int | None = None) -> list[float]:
+    """What a trusted estimate said of each calibration text at fraction f (the recompute stage's rows;
+    only those calibrated at `tokens` context tokens when given); empty where the gate does not act on
+    the estimate."""
     if not trusts(model):
         return []
-    ests = (estimate(model, {**r, "requested_fraction": f}) for r in rows if abs(float(r["f"]) - f) < 1e-9)
+    part = [r for r in rows if abs(float(r["f"]) - f) < 1e-9 and (tokens is None or row_tokens(r) == tokens)]
+    ests = (estimate(model, {**r, "requested_fraction": f, "context_tokens": row_tokens(r)}) for r in part)
     return [e for e in ests if e is not None]
+
+
+def row_tokens(row: dict, default: int = 2048) -> int:
+    """The context length a recompute-stage row (or table entry) was calibrated at; rows made before the
+    stage ran at several lengths carry none and were made at the stage's default, 2048."""
+    return int(row.get("tokens", default))
 
 
 def trusts(model: dict | None) -> bool:
