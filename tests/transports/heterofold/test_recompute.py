@@ -199,3 +199,14 @@ def test_the_estimate_is_centred_per_calibrated_length():
     # rows made before the stage knew lengths fit one set of centres, as they always did
     legacy = fit_estimate([{k: v for k, v in r.items() if k != "tokens"} for r in rows if r["tokens"] == 2048])
     assert "lengths" not in legacy and estimate(legacy, {**info, "context_tokens": 4096}) == pytest.approx(at[2048])
+
+
+def test_a_signal_that_barely_varies_is_never_the_estimate():
+    """exact_share with a shared tokenizer is 1 - 1/n: a ranking by token count, not by quality."""
+    from ctxrelay.transports.heterofold.faithful import fit_estimate
+
+    rows = [{"f": 0.3, "top1_agreement": 0.8 + 0.01 * i, "exact_share": 1 - 1 / (2040 + i),
+             "tail_nll": 3.0 - 0.05 * i + 0.2 * (i % 3)} for i in range(8)]  # fmt: skip
+    est = fit_estimate(rows)
+    assert est["signal"] == "tail_nll"  # exact_share ranks these perfectly, and means nothing
+    assert fit_estimate([{k: v for k, v in r.items() if k != "tail_nll"} for r in rows]) == {}
