@@ -181,6 +181,11 @@ def _recall(q: dict) -> str:
     return f"{q['fact_recall']:.2f} ({q.get('kept')}/{q.get('native_right')} facts)"
 
 
+def _below(q: float, threshold: float) -> str:
+    """q for a refusal: two decimals, three where two would print the threshold itself (0.847 < 0.85)."""
+    return f"{q:.2f}" if f"{q:.2f}" != f"{threshold:.2f}" else f"{q:.3f}"
+
+
 def quality_at(quality: dict, n_tokens: int) -> dict:
     """A point's calibrated quality for a request of n_tokens. A point calibrated at several context
     lengths lists them in quality["by_tokens"] ({"tokens", "top1_agreement", "calibrated_estimates"}
@@ -214,7 +219,7 @@ def quality_refusal(quality: dict, threshold: float) -> str | None:
         return "artifact records no calibrated top-1 agreement"
     if q < threshold:
         at = f" ({quality['at_tokens']})" if "at_tokens" in quality else ""
-        return f"calibrated top-1 agreement {q:.2f}{at} is below the threshold {threshold:.2f}"
+        return f"calibrated top-1 agreement {_below(q, threshold)}{at} is below the threshold {threshold:.2f}"
     facts = quality.get("fact_recall")
     if facts is not None and facts < threshold:
         return f"calibrated fact recall {_recall(quality)} is below the threshold {threshold:.2f}"
