@@ -118,6 +118,16 @@ _PUNCT = re.compile(f"[{re.escape(string.punctuation)}]")
 _ARTICLES = {"a", "an", "the"}
 
 
+def log_length_weight(lengths: Sequence[int], n: int) -> tuple[int, int, float]:
+    """(a, b, w): the calibrated context lengths around n and n's weight on b, linear in log-length, for
+    quality measured at some lengths and asked of another. Outside their range: the nearest length alone
+    (a = b, w = 0), so a measurement is never extrapolated."""
+    ls, n = sorted(lengths), max(1, int(n))
+    a = max((x for x in ls if x <= n), default=ls[0])
+    b = min((x for x in ls if x >= n), default=ls[-1])
+    return a, b, 0.0 if a == b else (math.log(n) - math.log(a)) / (math.log(b) - math.log(a))
+
+
 def normalize_tokens(text: str) -> list[str]:
     """Lower-case, punctuation to spaces, articles dropped (SQuAD-style, but 'copper-heron-42'
     keeps its three words apart instead of gluing them)."""

@@ -335,12 +335,13 @@ def calibrated_points(qualities: dict, threshold: float) -> list[dict]:
     fact stage's counts, and whether the point passes the gate's quality checks at `threshold` (before
     cost) for requests of that length."""
     from ctxrelay.relay.gate import quality_at, quality_refusal
+    from ctxrelay.transports.heterofold.recompute import row_tokens
 
     out = []
     for (s, r), q in sorted(qualities.items()):
         for p in _points(q):
             counts = {k: p[k] for k in ("cases", "native_right", "kept", "fact_recall") if p.get(k) is not None}
-            for n in [x["tokens"] for x in p.get("by_tokens", [])] or [p.get("tokens", 2048)]:
+            for n in [x["tokens"] for x in p.get("by_tokens", [])] or [row_tokens(p)]:
                 at = quality_at(p, n)
                 out.append({"sender": s, "receiver": r, "f": p["f"], "tokens": n,
                             "top1_agreement": at["top1_agreement"],

@@ -21,11 +21,11 @@ state, whether it is exact).
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 from ctxrelay import transports
 from ctxrelay.errors import UsageError
+from ctxrelay.metrics import log_length_weight
 from ctxrelay.relay.graph import Edge, OperatingPoint, TransportGraph
 from ctxrelay.state import ContextState
 
@@ -194,20 +194,16 @@ def quality_at(quality: dict, n_tokens: int) -> dict:
     the nearest length, and "at_tokens" says which lengths decided. Quality can fall with length (into
     qwen-0.5b, top-1 at f = 0.3: 0.86 at 2048 tokens, lower at 4096), so a point judged at one length
     only would pass requests it serves worse."""
-    levels = sorted(quality.get("by_tokens") or [], key=lambda x: x["tokens"])
+    levels = {x["tokens"]: x for x in quality.get("by_tokens") or []}
     if not levels:
         return quality
-    n = max(1, int(n_tokens))
-    near = min(levels, key=lambda x: abs(math.log(x["tokens"]) - math.log(n)))
+    a, b, w = log_length_weight(levels, n_tokens)
+    near = levels[a if w <= 0.5 else b]
     out = {**quality, **{k: v for k, v in near.items() if k != "tokens"}}
     out["at_tokens"] = f"calibrated at {near['tokens']} tokens"
-    lo = [x for x in levels if x["tokens"] <= n]
-    hi = [x for x in levels if x["tokens"] >= n]
-    if lo and hi and lo[-1]["tokens"] < hi[0]["tokens"]:
-        a, b = lo[-1], hi[0]
-        w = (math.log(n) - math.log(a["tokens"])) / (math.log(b["tokens"]) - math.log(a["tokens"]))
-        out["top1_agreement"] = (1 - w) * a["top1_agreement"] + w * b["top1_agreement"]
-        out["at_tokens"] = f"interpolated between {a['tokens']} and {b['tokens']} tokens"
+    if a != b:
+        out["top1_agreement"] = (1 - w) * levels[a]["top1_agreement"] + w * levels[b]["top1_agreement"]
+        out["at_tokens"] = f"interpolated between {a} and {b} tokens"
     return out
 
 

@@ -38,10 +38,9 @@ class Heterofold(Transport):
                 by_f.setdefault((q["f"], q["selection"]), []).append(q)
         for (f, rule), levels in sorted(by_f.items()):
             levels = sorted(levels, key=row_tokens)
-            several = len(levels) > 1
-            ests = [calibrated_estimates(model, rows, f, row_tokens(q) if several else None) for q in levels]
+            ests = [calibrated_estimates(model, rows, f, row_tokens(q)) for q in levels]
             point_q = {**levels[0], **facts_at(quality, f), **({"calibrated_estimates": ests[0]} if ests[0] else {})}
-            if several:
+            if len(levels) > 1:
                 point_q["by_tokens"] = [
                     {"tokens": row_tokens(q), "top1_agreement": q["top1_agreement"], "calibrated_estimates": e}
                     for q, e in zip(levels, ests, strict=True)

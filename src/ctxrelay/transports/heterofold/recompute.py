@@ -27,13 +27,13 @@ answers need and the recent tokens are what continuation agreement needs, so mix
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from rank_bm25 import BM25Okapi
 
 from ctxrelay.errors import UsageError
+from ctxrelay.metrics import log_length_weight
 from ctxrelay.models import runner
 from ctxrelay.models.attention import attention_logits, native_attention
 from ctxrelay.models.runner import KVCache
@@ -253,12 +253,8 @@ def _centre(centres: dict, f: float) -> list[float]:
 
 def _centre_at(lengths: dict, f: float, n: int) -> tuple[float, float]:
     """(mean signal, mean top-1) at fraction f for a context of n tokens, from per-length centres."""
-    levels = sorted((int(k), _centre(v, f)) for k, v in lengths.items())
-    lo = [x for x in levels if x[0] <= n] or levels[:1]
-    hi = [x for x in levels if x[0] >= n] or levels[-1:]
-    (a, ca), (b, cb) = lo[-1], hi[0]
-    w = 0.0 if a == b else (math.log(max(n, 1)) - math.log(a)) / (math.log(b) - math.log(a))
-    w = min(1.0, max(0.0, w))
+    a, b, w = log_length_weight([int(k) for k in lengths], n)
+    ca, cb = _centre(lengths[str(a)], f), _centre(lengths[str(b)], f)
     return (1 - w) * ca[0] + w * cb[0], (1 - w) * ca[1] + w * cb[1]
 
 
