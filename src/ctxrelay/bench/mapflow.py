@@ -46,6 +46,7 @@ BENCH_DEFAULTS = {
     "continuation": 129,  # teacher-forced tokens after the context (ppl@128 needs 129)
     "answer_tokens": 10,
     "capture_p": 0.95,  # sender maps are captured once at this p and re-selected per method
+    "capture": "auto",  # exact | sampled | auto (sampled unless a measured variant has replace layers, as edges do)
     "p_list": "0.8,0.9,0.95",
     "r_list": "",  # extra r for the frontier (default: artifact r + 4 and + 8)
     "gp_list": "0.8",  # extra guided top-p values for the frontier (at the artifact's p)
@@ -158,19 +159,22 @@ def as_artifact(art, cfg):
 # ---- one context ------------------------------------------------------------------------------------
 
 
-def sender_state(case: Case, capture_p: float, block: int, layers: list[int], cache: Path, load):
+def sender_state(
+    case: Case, capture_p: float, block: int, layers: list[int], cache: Path, load, capture: str = "exact"
+):
     """The sender's ContextState with maps of `layers` at capture_p, prefilled once and cached on disk."""
     from ctxrelay.models import runner
     from ctxrelay.models.capture import capture_state
     from ctxrelay.state import ContextState
     from ctxrelay.transports import mapflow
 
-    key = hashlib.sha256(f"{case.context}|{capture_p}|{block}|{layers}".encode()).hexdigest()[:24]
+    how = "" if capture == "exact" else f"|{capture}-{mapflow.SAMPLE_ROWS}"  # exact keeps the older cache keys
+    key = hashlib.sha256(f"{case.context}|{capture_p}|{block}|{layers}{how}".encode()).hexdigest()[:24]
     path = cache / f"{key}.safetensors"
     if path.exists():
         return ContextState.load(path)
     m = load()
-    plan = mapflow.map_capture_plan(m, capture_p, block, layers=layers)
+    plan = mapflow.map_capture_plan(m, capture_p, block, layers=layers, capture=capture)
     t0 = time.perf_counter()
     state = capture_state(m, case.context, "bench", [plan], kv=False)
     capture_s = time.perf_counter() - t0
@@ -290,11 +294,12 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
 
     vs = variants(art, r, opts)
     layers = sorted({sl for _, _, cfg in vs for sl in cfg.sender_layers()})  # capture only what is read
+    capture = bench_capture(str(opts["capture"]), [cfg for _, _, cfg in vs])
     rows, extra_lengths = [], {}
     for n in lengths:
         cases = cases_for(r.tokenizer, n, int(opts["contexts"]), int(opts["continuation"]), int(opts["seed"]))
         states = [
-            sender_state(c, float(opts["capture_p"]), block, layers, cache, load_sender)
+            sender_state(c, float(opts["capture_p"]), block, layers, cache, load_sender, capture)
             for c in tqdm(cases, desc=f"sender states @{n}")
         ]
         if snd:  # free the 7 GB sender before the receiver runs
@@ -321,6 +326,7 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
         extra_lengths[str(n)] = {
             "operators_ms": ops,
             "context_tokens_actual": [s.num_tokens for s in states],
+            "sender_capture": capture,
             "sender_capture_s": st0.meta.get("capture_s"),
             "sender_native_s": st0.meta.get("sender_native_s"),
             "native_times_s": times[0],
@@ -367,6 +373,20 @@ NOTES = (
 )
 
 
+def bench_capture(option: str, cfgs: list) -> str:
+    """The sender capture the bench's variants can all read: `auto` picks it as an edge would."""
+    from ctxrelay.transports import mapflow
+
+    reads_tiles = any(m in mapflow.TILE_MODES for cfg in cfgs for m in cfg.modes)
+    if option == "auto":
+        return "exact" if reads_tiles else "sampled"
+    if option not in mapflow.CAPTURES:
+        raise UsageError(f"unknown capture {option!r}: use auto, {', '.join(mapflow.CAPTURES)}")
+    if option == "sampled" and reads_tiles:
+        raise UsageError("capture=sampled cannot serve replace-mode variants (replace, iam): use exact or auto")
+    return option
+
+
 def _brief_quality(q: dict) -> dict:
     return {k: q[k] for k in ("top1_agreement", "kl", "method", "heldout_contexts", "context_tokens") if k in q}
 
@@ -402,8 +422,18 @@ def _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, 
         "needle_acc": sum(a["exact"]) / len(a["exact"]),
         "native_needle_acc": sum(native_exact) / len(native_exact),
         "contexts": len(a["exact"]),
+        **_end_to_end(transport, st0, medians[0], medians[k + 1]),
         **{k: v for k, v in info.items() if k.endswith("_density")},
     }
+
+
+def _end_to_end(transport: str, st0, native_s: float, relay_s: float) -> dict:
+    """Sender with capture + receiver relayed vs sender native + receiver native (the sender's pair is one run
+    of each when its state was first made; bench mapflow-capture measures the capture overhead properly)."""
+    cap, snd = st0.meta.get("capture_s"), st0.meta.get("sender_native_s")
+    if transport != "mapflow" or cap is None or snd is None:  # flex has no sender part: its receiver time is all
+        return {}
+    return {"end_to_end_speedup": (snd + native_s) / (cap + relay_s)}
 
 
 def plot(rows: list[dict], path: Path, sender: str, receiver: str) -> Path:

@@ -5,7 +5,7 @@ import torch
 
 from conftest import SAMPLE_TEXT
 from ctxrelay.artifact import Artifact
-from ctxrelay.errors import BindingError
+from ctxrelay.errors import BindingError, UsageError
 from ctxrelay.models.capture import capture_state
 from ctxrelay.models.tiny import tiny_model
 from ctxrelay.models.tokens import tokenize_context
@@ -206,6 +206,23 @@ def test_bench_end_to_end_on_tiny_models(artifact, pair, tmp_path, monkeypatch):
         assert row["relay_ttft_s"] > 0 and 0 <= row["top1_agreement"] <= 1 and set(row["ppl"]) == {"1", "16"}
         assert row["timing_gap_max"] < 0.5 and row["contexts"] == 2
     assert "operators_ms" in doc["lengths"]["160"] and out.with_suffix(".png").exists()
+    assert doc["lengths"]["160"]["sender_capture"] == "exact"  # the iam rows replace: they read the map's tiles
+    assert all(r["end_to_end_speedup"] > 0 for r in rows if r["transport"] == "mapflow")
+
+
+def test_bench_capture_is_the_one_every_variant_can_read(artifact, pair):
+    from ctxrelay.bench import mapflow as mapflow_bench
+
+    art, _ = artifact
+    vs = mapflow_bench.variants(art, pair[1], mapflow_bench._options({"p_list": "0.9", "methods": "flex"}))
+    guided_only = [cfg for _, _, cfg in vs]
+    with_replace = guided_only + [
+        cfg for _, _, cfg in mapflow_bench.variants(art, pair[1], mapflow_bench._options({"methods": "iam"}))
+    ]
+    assert mapflow_bench.bench_capture("auto", guided_only) == "sampled"
+    assert mapflow_bench.bench_capture("auto", with_replace) == "exact"
+    with pytest.raises(UsageError, match="replace-mode variants"):
+        mapflow_bench.bench_capture("sampled", with_replace)
 
 
 def test_mode_choice_follows_measured_costs():

@@ -14,6 +14,8 @@ Patterns come from:
 
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
@@ -139,80 +141,129 @@ def flex_pattern(c: AttnCall, block: int, top_p: float, unit: Unit = "group", lo
     return pattern_from_mask(keep, per, block, local)
 
 
-def _blocks(x: torch.Tensor, nb: int, block: int) -> torch.Tensor:
-    """[H, T, d] -> [H, nb, B, d], zero-padded past T."""
+_WORKSPACE = threading.local()  # per-thread scratch reused across layers and calls (see _scratch)
+
+
+def _scratch(name: str, numel: int) -> torch.Tensor:
+    """A float32 buffer of `numel` elements kept for this thread and grown as needed.
+
+    Fresh tensors of tens of MB are fresh pages: on this CPU first-touching them cost ~7% of the
+    guided operator. A thread keeps at most a few context-sized buffers (~3 x heads x T x d floats).
+    """
+    bufs = getattr(_WORKSPACE, "bufs", None)
+    if bufs is None:
+        bufs = _WORKSPACE.bufs = {}
+    buf = bufs.get(name)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: usable inside and outside inference mode
+            buf = bufs[name] = torch.empty(numel)
+    return buf[:numel]
+
+
+def _kv_blocks(name: str, x: torch.Tensor, nb: int, block: int) -> torch.Tensor:
+    """[H, T, d] -> [H * nb, B, d] in scratch, zero past T (one copy, no full fill)."""
     h, t, d = x.shape
-    if nb * block > t:
-        x = torch.nn.functional.pad(x, (0, 0, 0, nb * block - t))
-    return x.view(h, nb, block, d)
+    out = _scratch(name, h * nb * block * d).view(h, nb * block, d)
+    out[:, :t] = x
+    out[:, t:] = 0
+    return out.view(h * nb, block, d)
+
+
+def _unit_rows(q: torch.Tensor, units: int, nb: int, block: int, scale: float) -> torch.Tensor:
+    """[Hr, T, d] -> scale * q as [units * nb, heads_per_unit * B, d]: one row per (unit, query block)."""
+    hr, t, d = q.shape
+    per, full = hr // units, t // block
+    out = _scratch("q_rows", hr * nb * block * d).view(units, nb, per, block, d)
+    q4 = q.view(units, per, t, d)
+    blocks = q4[:, :, : full * block].reshape(units, per, full, block, d).permute(0, 2, 1, 3, 4)
+    torch.mul(blocks, scale, out=out[:, :full])
+    if full < nb:  # the last, partial query block: zero rows past T
+        rem = t - full * block
+        torch.mul(q4[:, :, full * block :], scale, out=out[:, full, :, :rem])
+        out[:, full, :, rem:] = 0
+    return out.view(units * nb, per * block, d)
 
 
 def guided_attention(
-    c: AttnCall, pat: BlockPattern, max_elems: int = 1 << 20, sw: Stopwatch | None = None
+    c: AttnCall, pat: BlockPattern, max_elems: int = 1 << 21, sw: Stopwatch | None = None
 ) -> torch.Tensor:
     """Softmax attention restricted to the pattern's key blocks, for a prefill from position 0.
 
-    Rows (unit, query block) with the same number of kept blocks form one batched call (split so
-    no score slab exceeds `max_elems` floats: peak memory stays flat in the context length).
+    Rows (unit, query block) are sorted by their number of kept blocks, so each count is one run of
+    contiguous rows: one batched QK^T, an in-place softmax and one batched PV written straight into
+    its slice of the output (split so no score slab exceeds `max_elems` floats: memory stays flat in
+    the context length). q is scaled once, before the products. The result is laid out [T, Hr, d]
+    (as the layer's output projection reads it) and returned as the [1, Hr, T, d] view SDPA gives.
     `sw` (optional) receives the time of each step: gather_s, attend_s, scatter_s.
     """
     _, hr, t, d = c.q.shape
     if c.q_start != 0 or c.k.shape[2] != t:
         raise ValueError("guided attention covers a prefill from position 0 (no cached prefix)")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (c.q, c.k, c.v)):
+        raise ValueError("guided attention is inference-only (it writes into scratch); train W in replace mode")
     sw = sw or Stopwatch()
     nb, b, per = pat.num_row_blocks, pat.block, pat.heads_per_unit
+    units, hkv = hr // per, c.k.shape[1]
+    counts, starts = pat.counts(), pat.crow[:-1].long()
+    order = torch.argsort(counts, stable=True)
+    run_counts, run_lengths = torch.unique_consecutive(counts[order], return_counts=True)
     with sw("gather_s"):
-        qb_ = _blocks(c.q[0], nb, b)  # [Hr, nb, B, d]
-        kb_ = _blocks(c.k[0], nb, b)  # [Hkv, nb, B, d]
-        vb_ = _blocks(c.v[0], nb, b)
-    counts = pat.counts()
-    starts = pat.crow[:-1].long()
-    out_parts, out_rows = [], []
-    for cnt in torch.unique(counts).tolist():
-        same = (counts == cnt).nonzero(as_tuple=True)[0]
-        step = max(1, max_elems // (per * b * cnt * b))  # bound the score slab of one batched call
-        for rows in same.split(step):
-            out_parts.append(_rows_attention(c, qb_, kb_, vb_, pat, starts, rows, cnt, sw))
-            out_rows.append(rows)
-    with sw("scatter_s"):  # rows back to [Hr, nb, B, d]
-        out = torch.zeros(hr // per, nb, per, b, d, dtype=c.q.dtype)
-        rows = torch.cat(out_rows)
-        out = out.view(-1, per, b, d).index_copy(0, rows, torch.cat(out_parts))
-        out = out.view(hr // per, nb, per, b, d).permute(0, 2, 1, 3, 4).reshape(hr, nb * b, d)[:, :t]
-    return out.unsqueeze(0)
+        rows_all = _unit_rows(c.q[0].to(torch.float32), units, nb, b, c.scale)
+        q_sorted = _scratch("q_sorted", rows_all.numel()).view_as(rows_all)
+        torch.index_select(rows_all, 0, order, out=q_sorted)
+        k_blocks = _kv_blocks("k_blocks", c.k[0], nb, b)
+        v_blocks = _kv_blocks("v_blocks", c.v[0], nb, b)
+    kv_of_unit = torch.arange(units) * per // (hr // hkv)
+    out_sorted = _scratch("out_sorted", rows_all.numel()).view_as(rows_all)
+    scores = _scratch("scores", max(max_elems, per * b * b * int(run_counts[-1])))  # >= one row of the longest run
+    first = 0
+    for cnt, length in zip(run_counts.tolist(), run_lengths.tolist(), strict=True):
+        step = max(1, max_elems // (per * b * cnt * b))
+        for a in range(first, first + length, step):
+            z = min(first + length, a + step)
+            _run_attention(c, pat, order[a:z], cnt, nb, kv_of_unit, starts, q_sorted[a:z], k_blocks, v_blocks,
+                           scores, out_sorted[a:z], sw)  # fmt: skip
+        first += length
+    with sw("scatter_s"):  # unsort the rows, then lay them out [T, Hr, d]
+        unsorted = _scratch("q_rows", rows_all.numel()).view_as(rows_all)  # q_rows is free again
+        torch.index_select(out_sorted, 0, torch.argsort(order), out=unsorted)
+        res = torch.empty(nb * b, hr, d, dtype=torch.float32)
+        res.view(nb, b, units, per, d).copy_(unsorted.view(units, nb, per, b, d).permute(1, 3, 0, 2, 4))
+    return res[:t].to(c.q.dtype).unsqueeze(0).transpose(1, 2)
 
 
-def _rows_attention(c: AttnCall, qb_, kb_, vb_, pat: BlockPattern, starts, rows, cnt: int, sw: Stopwatch):
-    """Attention of pattern rows that all keep `cnt` key blocks: one batched matmul each way.
+def _run_attention(c, pat, rows, cnt, nb, kv_of_unit, starts, q, k_blocks, v_blocks, scores, out, sw):
+    """Attention of pattern rows that all keep `cnt` key blocks, into `out` [R, per*B, d].
 
-    (Torch's fused CPU attention per bucket, tried in place of the explicit softmax, measured no faster
-    on real patterns: buckets hold a few rows each. bench mapflow-capture, phase operators.)"""
-    nb, b, per = pat.num_row_blocks, pat.block, pat.heads_per_unit
-    n, d, hkv = len(rows), qb_.shape[-1], kb_.shape[0]
-    group = qb_.shape[0] // hkv
+    (Torch's fused CPU attention per run, tried in place of the explicit softmax, measured no faster:
+    runs hold a few rows each. bench mapflow-capture, phase operators.)"""
+    n, b, per, d = len(rows), pat.block, pat.heads_per_unit, q.shape[-1]
     with sw("gather_s"):
-        unit, qi = rows // nb, rows % nb
         kbs = pat.kb[starts[rows][:, None] + torch.arange(cnt)[None, :]]  # [R, c], diagonal block last
-        if per == 1:
-            q, g = qb_[unit, qi], unit // group  # [R, B, d]
-        else:
-            q, g = qb_.view(hkv, per, nb, b, d)[unit, :, qi].reshape(n, per * b, d), unit
-        k = kb_[g[:, None], kbs].reshape(n, cnt * b, d)
-        v = vb_[g[:, None], kbs].reshape(n, cnt * b, d)
+        flat = (kv_of_unit[rows // nb][:, None] * nb + kbs).reshape(-1)
+        k = torch.index_select(k_blocks, 0, flat, out=_scratch("k_rows", flat.numel() * b * d).view(-1, b, d))
+        v = torch.index_select(v_blocks, 0, flat, out=_scratch("v_rows", flat.numel() * b * d).view(-1, b, d))
     with sw("attend_s"):
-        s = torch.bmm(q, k.transpose(1, 2)).mul_(c.scale)  # [R, per*B, c*B]
+        s = scores[: n * per * b * cnt * b].view(n, per * b, cnt * b)
+        torch.bmm(q, k.view(n, cnt * b, d).transpose(1, 2), out=s)  # q is already scaled
         if c.softcap is not None:
-            s = torch.tanh(s / c.softcap) * c.softcap
-        s = s.view(n, per, b, cnt * b)
+            s.div_(c.softcap).tanh_().mul_(c.softcap)
+        s4 = s.view(n, per, b, cnt * b)
         if c.window is None:  # only the diagonal tile (last) needs the causal mask
-            s[..., (cnt - 1) * b :] += torch.full((b, b), float("-inf"), dtype=s.dtype).triu(1)
+            s4[..., (cnt - 1) * b :] += _causal_bias(b)
         else:  # token-level visibility (sliding window) over every kept tile
-            qpos = qi[:, None] * b + torch.arange(b)[None, :]  # [R, B]
+            qpos = (rows % nb)[:, None] * b + torch.arange(b)[None, :]  # [R, B]
             kpos = (kbs[:, :, None] * b + torch.arange(b)).view(n, 1, -1)  # [R, 1, c*B]
             vis = (kpos <= qpos[:, :, None]) & (kpos > qpos[:, :, None] - c.window)
-            s = s.masked_fill(~vis[:, None], float("-inf"))
-        p = torch.softmax(s, dim=-1)  # every query sees at least itself: the diagonal block is always kept
-        return torch.bmm(p.view(n, per * b, cnt * b), v).view(n, per, b, d)
+            s4.masked_fill_(~vis[:, None], float("-inf"))
+        # in place (the kernel reads each row before writing it): every query sees itself, so no row is all -inf
+        torch.ops.aten._softmax.out(s, -1, False, out=s)
+        torch.bmm(s, v.view(n, cnt * b, d), out=out)
+
+
+@functools.cache
+def _causal_bias(block: int) -> torch.Tensor:
+    return torch.full((block, block), float("-inf")).triu(1)
 
 
 def pattern_attention_dense(c: AttnCall, pat: BlockPattern) -> torch.Tensor:
