@@ -131,7 +131,7 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
                  q(case, "mix", 0.3, 0.99, 1)]  # fmt: skip
     table = [{"f": f, "selection": "mix", "top1_agreement": a} for f, a in ((0.1, 0.86), (0.2, 0.9), (0.3, 0.95))]
     est = {"signal": "tail_confidence", "slope": 1.0, "centres": {"0.1": [0.0, 0.0]}, "spearman": 0.6}  # = signal
-    (g,) = gate_replay(rows, {("s", "r"): {"recompute": table, "estimate": est}}, 0.85, 1.1)
+    (g,) = gate_replay(rows, {("s", "r"): ({}, {"recompute": table, "estimate": est})}, 0.85, 1.1)
     # a: accepted at f=0.1 (1 s); b: 0.1 fails, 0.2 passes (1 + 2 s); c: both fail, f=0.3 is not 1.1x
     # faster than native so it is no candidate: native after paying 3 s (13 s)
     assert g["points"] == {"f=0.10 mix": 1, "f=0.20 mix": 1, "native": 1}
@@ -139,16 +139,16 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
     assert abs(g["speedup"] - 10.0 / ((1.0 + 3.0 + 13.0) / 3)) < 1e-9
     # an empty answer is refused like a failed estimate (the gate's first-token end-of-text check)
     next(x for x in rows if x.get("case_key") == "a" and x["f"] == 0.1)["answer"] = " "
-    (g,) = gate_replay(rows, {("s", "r"): {"recompute": table, "estimate": est}}, 0.85, 1.1)
+    (g,) = gate_replay(rows, {("s", "r"): ({}, {"recompute": table, "estimate": est})}, 0.85, 1.1)
     assert g["points"] == {"f=0.20 mix": 2, "native": 1}
     # an estimate that ranked its calibration texts weakly is not acted on: the cheapest point serves
-    (g,) = gate_replay(rows, {("s", "r"): {"recompute": table, "estimate": {**est, "spearman": 0.3}}}, 0.85, 1.1)
+    (g,) = gate_replay(rows, {("s", "r"): ({}, {"recompute": table, "estimate": {**est, "spearman": 0.3}})}, 0.85, 1.1)
     assert g["points"] == {"f=0.10 mix": 2, "f=0.20 mix": 1}
     # what a refused relay cost is paid either way: b's f=0.1 is refused (1 s), then f=0.2 alone (9.05 s)
     # still beats native (10 s), so it serves (10.05 s in all) instead of native after the refusal (11 s)
     del next(x for x in rows if x.get("case_key") == "a" and x["f"] == 0.1)["answer"]
     slow = [{**x, "relay_ttft_s": 9.05} if x.get("kind") == "timing" and x["f"] == 0.2 else x for x in rows]
-    (g,) = gate_replay(slow, {("s", "r"): {"recompute": table, "estimate": est}}, 0.85, 1.1)
+    (g,) = gate_replay(slow, {("s", "r"): ({}, {"recompute": table, "estimate": est})}, 0.85, 1.1)
     assert g["points"] == {"f=0.10 mix": 1, "f=0.20 mix": 1, "native": 1}
 
 

@@ -175,7 +175,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     return out
 
 
-def _candidates(quality: dict, timing: dict, key: tuple, threshold: float, margin: float) -> list[tuple]:
+def _candidates(points: list[dict], timing: dict, key: tuple, threshold: float, margin: float) -> list[tuple]:
     """(rule, f, relay_s, native_s) of the points passing the gate's checks, by f: calibrated top-1 at the
     key's length and (where the artifact measured it) fact recall at the threshold, measured TTFT beating
     native by the margin, also counting the relays a trusted per-request estimate refused on the
@@ -183,7 +183,7 @@ def _candidates(quality: dict, timing: dict, key: tuple, threshold: float, margi
     from ctxrelay.relay.gate import expected_with_refusals, quality_at, quality_refusal
 
     out = []
-    for p in _points(quality):
+    for p in points:
         p = quality_at(p, key[2])
         t = timing.get((*key, p["selection"], p["f"]))
         if not t or quality_refusal(p, threshold) is not None:
@@ -198,13 +198,12 @@ def _candidates(quality: dict, timing: dict, key: tuple, threshold: float, margi
     return out
 
 
-def _points(quality: dict) -> list[dict]:
+def _points(params: dict, quality: dict) -> list[dict]:
     """An artifact's recompute points as the gate sees them (the transport's operating points: the fact
     stage's fields at each f, per-length quality where the stage ran at several lengths), by f."""
     from ctxrelay.transports.heterofold import transport
     from ctxrelay.transports.heterofold.facts import facts_at
 
-    params = {"recompute_stage": {"rows": quality.get("recompute_rows", [])}}
     points = [p["quality"] for p in transport.operating_points(params, quality) if p["options"]]
     return [{**p, **facts_at(quality, p["f"], ("cases",))} for p in points]
 
@@ -234,8 +233,9 @@ def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, t
             "native_needle": native.get("native_needle_acc"), "dataset": native.get("dataset")}  # fmt: skip
 
 
-def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: float) -> list[dict]:
-    """The gate's default decision, replayed per request on the measured rows.
+def gate_replay(rows: list[dict], artifacts: dict, threshold: float, margin: float) -> list[dict]:
+    """The gate's default decision, replayed per request on the measured rows; `artifacts` maps each
+    (sender, receiver) to its artifact's (params, quality).
 
     Per direction and length: the operating points whose calibrated top-1 (the artifact's recompute
     table) and fact recall (where the fact stage ran) meet `threshold` and whose measured TTFT (timing
@@ -248,9 +248,10 @@ def gate_replay(rows: list[dict], qualities: dict, threshold: float, margin: flo
     quality = [x for x in rows if x.get("kind") != "timing"]
     by_case = {(x["sender"], x["receiver"], x["case_key"], x["selection"], x["f"]): x for x in quality}
     out = []
-    for (s, r), q in sorted(qualities.items()):
+    for (s, r), (params, q) in sorted(artifacts.items()):
+        points = _points(params, q)
         for n in sorted({x["length"] for x in quality if (x["sender"], x["receiver"]) == (s, r)}):
-            cands = _candidates(q, timing, (s, r, n), threshold, margin)
+            cands = _candidates(points, timing, (s, r, n), threshold, margin)
             cases = sorted({x["case_key"] for x in quality if (x["sender"], x["receiver"], x["length"]) == (s, r, n)})
             res = [_replay(cands, by_case, (s, r, ck), q.get("estimate"), threshold) for ck in cases]
             needles = [x for x in res if x["native_needle"] is not None]
@@ -330,16 +331,16 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def calibrated_points(qualities: dict, threshold: float) -> list[dict]:
-    """Per direction, f and calibrated length of the artifact's recompute table: calibrated top-1, the
-    fact stage's counts, and whether the point passes the gate's quality checks at `threshold` (before
-    cost) for requests of that length."""
+def calibrated_points(artifacts: dict, threshold: float) -> list[dict]:
+    """Per direction ((sender, receiver) -> the artifact's (params, quality)), f and calibrated length of
+    the artifact's recompute table: calibrated top-1, the fact stage's counts, and whether the point
+    passes the gate's quality checks at `threshold` (before cost) for requests of that length."""
     from ctxrelay.relay.gate import quality_at, quality_refusal
     from ctxrelay.transports.heterofold.recompute import row_tokens
 
     out = []
-    for (s, r), q in sorted(qualities.items()):
-        for p in _points(q):
+    for (s, r), (params, q) in sorted(artifacts.items()):
+        for p in _points(params, q):
             counts = {k: p[k] for k in ("cases", "native_right", "kept", "fact_recall") if p.get(k) is not None}
             for n in [x["tokens"] for x in p.get("by_tokens", [])] or [row_tokens(p)]:
                 at = quality_at(p, n)

@@ -352,11 +352,12 @@ def bench(
 def derived(rows: list[dict], arts: dict) -> dict:
     """What a results file says beside its rows: per-point summary, estimate check, gate replay."""
     dirs = sorted({(x["sender"], x["receiver"]) for x in rows})
+    views = {d: (a.params, a.quality) for d, a in arts.items()}  # what the gate reads of each artifact
     return {
         "directions": [list(d) for d in dirs],
         "estimate_check": estimate_check(rows, {d: a.quality.get("estimate") for d, a in arts.items()}),
-        "gate": gate_replay(rows, {d: _gated(a) for d, a in arts.items()}, DEFAULT_QUALITY, MIN_SPEEDUP),
-        "calibrated": calibrated_points({d: a.quality for d, a in arts.items()}, DEFAULT_QUALITY),
+        "gate": gate_replay(rows, views, DEFAULT_QUALITY, MIN_SPEEDUP),
+        "calibrated": calibrated_points(views, DEFAULT_QUALITY),
         "summary": summarize(rows),
     }
 
@@ -371,11 +372,6 @@ def report(out: str) -> Path:
     path = write_results(out, doc["rows"], doc["command"], {**keep, **derived(doc["rows"], arts)}, doc["machine"])
     print(tables(read_results(path)))
     return plot(doc["rows"], path)
-
-
-def _gated(art) -> dict:
-    """What the gate replay reads of an artifact: its quality and the recompute stage's per-text rows."""
-    return {**art.quality, "recompute_rows": (art.params.get("recompute_stage") or {}).get("rows", [])}
 
 
 def _artifact(sender: str, receiver: str):

@@ -103,13 +103,12 @@ def operator_times(state, art, receiver, ps: list[float], repeats: int = 3) -> d
 
     out = {"receiver_layer": j, "sender_layer": layer, "sdpa_ms": ms(lambda: native_attention(call))}
     for p in ps:
-        bm = reselect(bm_full, p)
-        plan = apply.prepare_replace(bm)
-        row = {
-            "sender_density": round(bm.density(), 4),
-            "replace_prepare_ms": ms(lambda bm=bm: apply.prepare_replace(bm)),
-            "replace_ms": ms(lambda plan=plan: apply.replace_attention(plan, w, call.v)),
-        }
+        bm = reselect(bm_full, p) if bm_full.has_tiles else bm_full
+        row = {"sender_density": round(bm.density(), 4)}
+        if bm.has_tiles:  # a pattern-only (sampled) map has no probabilities for replace mode to apply
+            plan = apply.prepare_replace(bm)
+            row["replace_prepare_ms"] = ms(lambda bm=bm: apply.prepare_replace(bm))
+            row["replace_ms"] = ms(lambda plan=plan: apply.replace_attention(plan, w, call.v))
         for unit in ("group", "head"):
             pat = guided.guided_pattern(bm_full, w, cfg.guided_p, s.num_kv_heads, unit, p)
             row[f"guided_{unit}_density"] = round(pat.density(), 4)

@@ -53,8 +53,8 @@ def artifact(pair, tmp_path_factory):
     return art, out
 
 
-def _state(m, text, top_p=0.95, block=16):
-    return capture_state(m, text, "t1", [mapflow.map_capture_plan(m, top_p, block)], kv=False)
+def _state(m, text, top_p=0.95, block=16, capture="exact"):
+    return capture_state(m, text, "t1", [mapflow.map_capture_plan(m, top_p, block, capture=capture)], kv=False)
 
 
 def test_calibration_writes_a_bound_artifact_with_quality(artifact, pair):
@@ -167,6 +167,9 @@ def test_operator_times_cover_every_operator(artifact, pair):
     assert ops["sdpa_ms"] > 0
     row = ops["p=0.9"]
     assert row["replace_ms"] > 0 and row["guided_group_ms"] > 0 and 0 < row["guided_head_density"] <= 1
+    # a sampled (pattern-only) capture has no tiles: the guided operators are timed, replace is left out
+    ops = mapflow_bench.operator_times(_state(sender, SAMPLE_TEXT, capture="sampled"), art, receiver, [0.9], 1)
+    assert ops["p=0.9"]["guided_group_ms"] > 0 and "replace_ms" not in ops["p=0.9"]
 
 
 def test_mode_choice_upgrades_then_replaces_greedily():
