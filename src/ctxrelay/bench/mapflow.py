@@ -374,17 +374,14 @@ NOTES = (
 
 
 def bench_capture(option: str, cfgs: list) -> str:
-    """The sender capture the bench's variants can all read: `auto` picks it as an edge would."""
+    """The one sender capture every variant can read, chosen per variant as an edge's is
+    (`mapflow.edge_capture`; `auto` = the edge default) and exact if any variant needs it."""
     from ctxrelay.transports import mapflow
 
-    reads_tiles = any(m in mapflow.TILE_MODES for cfg in cfgs for m in cfg.modes)
-    if option == "auto":
-        return "exact" if reads_tiles else "sampled"
-    if option not in mapflow.CAPTURES:
-        raise UsageError(f"unknown capture {option!r}: use auto, {', '.join(mapflow.CAPTURES)}")
-    if option == "sampled" and reads_tiles:
-        raise UsageError("capture=sampled cannot serve replace-mode variants (replace, iam): use exact or auto")
-    return option
+    asked = {} if option == "auto" else {"capture": option}
+    modes = [cfg.modes for cfg in cfgs] or [[]]
+    captures = {mapflow.edge_capture({"modes": m, **asked}) for m in modes}
+    return "exact" if "exact" in captures else captures.pop()
 
 
 def _brief_quality(q: dict) -> dict:

@@ -103,9 +103,13 @@ def operator_times(state, art, receiver, ps: list[float], repeats: int = 3) -> d
 
     out = {"receiver_layer": j, "sender_layer": layer, "sdpa_ms": ms(lambda: native_attention(call))}
     for p in ps:
-        bm = reselect(bm_full, p) if bm_full.has_tiles else bm_full
-        row = {"sender_density": round(bm.density(), 4)}
-        if bm.has_tiles:  # a pattern-only (sampled) map has no probabilities for replace mode to apply
+        if bm_full.has_tiles:
+            bm = reselect(bm_full, p)
+            density = bm.density()
+        else:  # a pattern-only (sampled) map: the same rule re-selects its pattern; replace has nothing to apply
+            density = int((guided.sender_block_mass(bm_full, p) > 0).sum()) / max(1, bm_full.causal_tiles())
+        row = {"sender_density": round(density, 4)}
+        if bm_full.has_tiles:
             plan = apply.prepare_replace(bm)
             row["replace_prepare_ms"] = ms(lambda bm=bm: apply.prepare_replace(bm))
             row["replace_ms"] = ms(lambda plan=plan: apply.replace_attention(plan, w, call.v))

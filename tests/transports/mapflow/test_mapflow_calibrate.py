@@ -224,7 +224,7 @@ def test_bench_capture_is_the_one_every_variant_can_read(artifact, pair):
     ]
     assert mapflow_bench.bench_capture("auto", guided_only) == "sampled"
     assert mapflow_bench.bench_capture("auto", with_replace) == "exact"
-    with pytest.raises(UsageError, match="replace-mode variants"):
+    with pytest.raises(UsageError, match="replace layers needs capture='exact'"):
         mapflow_bench.bench_capture("sampled", with_replace)
 
 
