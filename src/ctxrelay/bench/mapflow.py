@@ -52,6 +52,7 @@ BENCH_DEFAULTS = {
     "gp_list": "0.8",  # extra guided top-p values for the frontier (at the artifact's p)
     "methods": "mapflow,guided,hybrid,replace,iam,flex",
     "flex_p": "0.8,0.9",  # FlexPrefill-style baseline's top-p values
+    "sender_pairs": 3,  # interleaved native/capture sender prefills on the first context (end to end); 0: skip
     "seed": 0,
 }
 HORIZONS = (1, 16, 32, 128)
@@ -162,8 +163,8 @@ def as_artifact(art, cfg):
 def sender_state(
     case: Case, capture_p: float, block: int, layers: list[int], cache: Path, load, capture: str = "exact"
 ):
-    """The sender's ContextState with maps of `layers` at capture_p, prefilled once and cached on disk."""
-    from ctxrelay.models import runner
+    """The sender's ContextState with maps of `layers` at capture_p, prefilled once and cached on disk
+    (untimed: a first prefill after loading runs cold; `sender_timing` times the sender properly)."""
     from ctxrelay.models.capture import capture_state
     from ctxrelay.state import ContextState
     from ctxrelay.transports import mapflow
@@ -175,14 +176,32 @@ def sender_state(
         return ContextState.load(path)
     m = load()
     plan = mapflow.map_capture_plan(m, capture_p, block, layers=layers, capture=capture)
-    t0 = time.perf_counter()
     state = capture_state(m, case.context, "bench", [plan], kv=False)
-    capture_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    runner.forward(m, state.tokens, logits="last")
-    state.meta.update({"capture_s": capture_s, "sender_native_s": time.perf_counter() - t0})
     state.save(path)
     return state
+
+
+def sender_timing(load, art, case: Case, plan_args: tuple, pairs: int) -> dict | None:
+    """The sender's native prefill vs its prefill with the bench's capture (`sender_state`'s plan:
+    capture_p, block, layers, capture) on one context: a warm-up of each, then `pairs` interleaved pairs
+    (bench mapflow-capture's overhead phase), medians."""
+    from types import SimpleNamespace
+
+    from ctxrelay.bench.mapflow_capture import overhead  # that module builds on this one
+    from ctxrelay.transports import mapflow
+
+    if pairs <= 0:
+        return None
+    if pairs < 3:
+        raise UsageError("sender_pairs needs >= 3 interleaved pairs (run-to-run noise is large), or 0 to skip")
+    m, (capture_p, block, layers, capture) = load(), plan_args
+    params = SimpleNamespace(params=dict(art.params, capture=capture))
+    res = overhead(
+        m, params, case.context, pairs, {"warmup": 1, "sample_rows": 0, "exact_repeats": 0},
+        plan_of=lambda cap: mapflow.map_capture_plan(m, capture_p, block, layers=layers, capture=cap),
+    )  # fmt: skip
+    keep = ("capture", "native_s", "capture_s", "capture_overhead", "pair_overhead")
+    return {k: res[k] for k in (*keep, "native_times_s", "capture_times_s")}
 
 
 @dataclass
@@ -321,14 +340,18 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
                 acc[k]["exact"].append(score_answer(q["answer"], case.answer)["exact"])
                 acc[k]["info"] = q["info"]
         medians, times, comps = time_ttft(r, states[0], refs[0], arts, repeats)
-        st0 = states[0]
-        ops = operator_times(st0, art, r, [float(x) for x in str(opts["p_list"]).split(",") if x])
+        ops = operator_times(states[0], art, r, [float(x) for x in str(opts["p_list"]).split(",") if x])
+        pair = None
+        if any(t == "mapflow" for t, _, _ in vs):
+            plan_args = (float(opts["capture_p"]), block, layers, capture)
+            pair = sender_timing(load_sender, art, cases[0], plan_args, int(opts["sender_pairs"]))
+            snd.clear()
+            gc.collect()
         extra_lengths[str(n)] = {
             "operators_ms": ops,
             "context_tokens_actual": [s.num_tokens for s in states],
             "sender_capture": capture,
-            "sender_capture_s": st0.meta.get("capture_s"),
-            "sender_native_s": st0.meta.get("sender_native_s"),
+            "sender_timing": pair,
             "native_times_s": times[0],
             "native_needle_answers": native_exact,
         }
@@ -346,7 +369,7 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
         )
         for k, (transport, method, cfg) in enumerate(vs):
             rows.append(
-                _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, acc[k], native_exact, st0)
+                _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, acc[k], native_exact, pair)
             )
         path = write_results(  # after every length: a long run that stops keeps what it measured
             out,
@@ -366,10 +389,12 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
 
 
 NOTES = (
-    "relay_ttft_s: receiver TTFT (context through the reuse path + question natively + first token); the sender's "
-    "prefill is excluded (it happened anyway), its extra cost for map capture is in lengths.*.sender_capture_s vs "
-    "sender_native_s. Quality over the teacher-forced continuation vs the receiver's native prefill; needle_acc over "
-    "the contexts of that length. All computation fp32 on CPU, same process and threads as native."
+    "relay_ttft_s: receiver TTFT (context through the reuse path + question natively + first token); the "
+    "sender's prefill is excluded (it happened anyway), its extra cost for map capture is in "
+    "lengths.*.sender_timing (medians of interleaved native/capture pairs after a warm-up, first context); "
+    "end_to_end_speedup = (sender native + receiver native) / (sender with capture + receiver relayed). Quality "
+    "over the teacher-forced continuation vs the receiver's native prefill; needle_acc over the contexts of that "
+    "length. All computation fp32 on CPU, same process and threads as native."
 )
 
 
@@ -388,7 +413,7 @@ def _brief_quality(q: dict) -> dict:
     return {k: q[k] for k in ("top1_agreement", "kl", "method", "heldout_contexts", "context_tokens") if k in q}
 
 
-def _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, a, native_exact, st0) -> dict:
+def _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, a, native_exact, pair) -> dict:
     n_min = min(x.shape[0] for x in a["nll"])  # horizons longer than every continuation are left out
     hs = [h for h in HORIZONS if h <= n_min]
     ppl, nppl = pooled_perplexity(a["nll"], hs), pooled_perplexity(a["native_nll"], hs)
@@ -419,18 +444,17 @@ def _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, 
         "needle_acc": sum(a["exact"]) / len(a["exact"]),
         "native_needle_acc": sum(native_exact) / len(native_exact),
         "contexts": len(a["exact"]),
-        **_end_to_end(transport, st0, medians[0], medians[k + 1]),
+        **_end_to_end(transport, pair, medians[0], medians[k + 1]),
         **{k: v for k, v in info.items() if k.endswith("_density")},
     }
 
 
-def _end_to_end(transport: str, st0, native_s: float, relay_s: float) -> dict:
-    """Sender with capture + receiver relayed vs sender native + receiver native (the sender's pair is one run
-    of each when its state was first made; bench mapflow-capture measures the capture overhead properly)."""
-    cap, snd = st0.meta.get("capture_s"), st0.meta.get("sender_native_s")
-    if transport != "mapflow" or cap is None or snd is None:  # flex has no sender part: its receiver time is all
+def _end_to_end(transport: str, pair: dict | None, native_s: float, relay_s: float) -> dict:
+    """Sender with capture + receiver relayed vs sender native + receiver native, from the medians of the
+    sender's interleaved pairs (`sender_timing`) and the receiver's timed repeats, all on the first context."""
+    if transport != "mapflow" or pair is None:  # flex has no sender part: its receiver time is all
         return {}
-    return {"end_to_end_speedup": (snd + native_s) / (cap + relay_s)}
+    return {"end_to_end_speedup": (pair["native_s"] + native_s) / (pair["capture_s"] + relay_s)}
 
 
 def plot(rows: list[dict], path: Path, sender: str, receiver: str) -> Path:

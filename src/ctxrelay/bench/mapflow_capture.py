@@ -93,17 +93,19 @@ def _timed_hook(plan) -> list[float]:
     return spent
 
 
-def overhead(sender, art, text: str, repeats: int, opts: dict) -> dict:
-    """Interleaved pairs of native and default-capture sender prefills of `text` (see module docstring)."""
+def overhead(sender, art, text: str, repeats: int, opts: dict, plan_of=None) -> dict:
+    """Interleaved pairs of native and default-capture sender prefills of `text` (see module docstring).
+    `plan_of(capture)` builds the timed capture plan (default: the one the pool runs for `art`'s edge)."""
     from ctxrelay.models.capture import capture_state
 
+    def edge_plan(capture: str):
+        params = dict(art.params, capture="exact") if capture == "exact" else art.params
+        return mapflow.transport.capture_plan(sender, [params])
+
+    plan_of = plan_of or edge_plan
+
     def run(kind: str) -> tuple[float, float, float]:
-        if kind == "native":
-            plan = None
-        elif kind == "exact":
-            plan = mapflow.transport.capture_plan(sender, [dict(art.params, capture="exact")])
-        else:
-            plan = mapflow.transport.capture_plan(sender, [art.params])
+        plan = None if kind == "native" else plan_of(kind)
         spent = _timed_hook(plan) if plan is not None else [0.0]
         plans = [plan] if plan is not None else []
         states = []

@@ -210,6 +210,8 @@ def test_bench_end_to_end_on_tiny_models(artifact, pair, tmp_path, monkeypatch):
         assert row["timing_gap_max"] < 0.5 and row["contexts"] == 2
     assert "operators_ms" in doc["lengths"]["160"] and out.with_suffix(".png").exists()
     assert doc["lengths"]["160"]["sender_capture"] == "exact"  # the iam rows replace: they read the map's tiles
+    timing = doc["lengths"]["160"]["sender_timing"]  # interleaved pairs after a warm-up, not one cold run
+    assert timing["capture"] == "exact" and len(timing["native_times_s"]) == len(timing["capture_times_s"]) == 3
     assert all(r["end_to_end_speedup"] > 0 for r in rows if r["transport"] == "mapflow")
 
 

@@ -216,13 +216,13 @@ def guided_attention(
     kv_of_unit = torch.arange(units) * per // (hr // hkv)
     out_sorted = _scratch("out_sorted", rows_all.numel()).view_as(rows_all)
     scores = _scratch("scores", max(max_elems, per * b * b * int(run_counts[-1])))  # >= one row of the longest run
+    slabs = _CallSlabs(starts, kv_of_unit, k_blocks, v_blocks, scores)
     first = 0
     for cnt, length in zip(run_counts.tolist(), run_lengths.tolist(), strict=True):
         step = max(1, max_elems // (per * b * cnt * b))
         for a in range(first, first + length, step):
             z = min(first + length, a + step)
-            _run_attention(c, pat, order[a:z], cnt, nb, kv_of_unit, starts, q_sorted[a:z], k_blocks, v_blocks,
-                           scores, out_sorted[a:z], sw)  # fmt: skip
+            _run_attention(c, pat, slabs, order[a:z], cnt, q_sorted[a:z], out_sorted[a:z], sw)
         first += length
     with sw("scatter_s"):  # unsort the rows, then lay them out [T, Hr, d]
         unsorted = _scratch("q_rows", rows_all.numel()).view_as(rows_all)  # q_rows is free again
@@ -232,19 +232,41 @@ def guided_attention(
     return res[:t].to(c.q.dtype).unsqueeze(0).transpose(1, 2)
 
 
-def _run_attention(c, pat, rows, cnt, nb, kv_of_unit, starts, q, k_blocks, v_blocks, scores, out, sw):
+@dataclass
+class _CallSlabs:
+    """What every run of one guided_attention call reads: row starts in pat.kb, the kv head of each
+    unit, K/V as [Hkv * nb, B, d] blocks, and the score scratch."""
+
+    starts: torch.Tensor
+    kv_of_unit: torch.Tensor
+    k_blocks: torch.Tensor
+    v_blocks: torch.Tensor
+    scores: torch.Tensor
+
+
+def _run_attention(
+    c: AttnCall,
+    pat: BlockPattern,
+    slabs: _CallSlabs,
+    rows: torch.Tensor,
+    cnt: int,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    sw: Stopwatch,
+) -> None:
     """Attention of pattern rows that all keep `cnt` key blocks, into `out` [R, per*B, d].
 
     (Torch's fused CPU attention per run, tried in place of the explicit softmax, measured no faster:
     runs hold a few rows each. bench mapflow-capture, phase operators.)"""
-    n, b, per, d = len(rows), pat.block, pat.heads_per_unit, q.shape[-1]
+    n, nb, b, per, d = len(rows), pat.num_row_blocks, pat.block, pat.heads_per_unit, q.shape[-1]
     with sw("gather_s"):
-        kbs = pat.kb[starts[rows][:, None] + torch.arange(cnt)[None, :]]  # [R, c], diagonal block last
-        flat = (kv_of_unit[rows // nb][:, None] * nb + kbs).reshape(-1)
-        k = torch.index_select(k_blocks, 0, flat, out=_scratch("k_rows", flat.numel() * b * d).view(-1, b, d))
-        v = torch.index_select(v_blocks, 0, flat, out=_scratch("v_rows", flat.numel() * b * d).view(-1, b, d))
+        kbs = pat.kb[slabs.starts[rows][:, None] + torch.arange(cnt)[None, :]]  # [R, c], diagonal block last
+        flat = (slabs.kv_of_unit[rows // nb][:, None] * nb + kbs).reshape(-1)
+        k_out, v_out = (_scratch(name, flat.numel() * b * d).view(-1, b, d) for name in ("k_rows", "v_rows"))
+        k = torch.index_select(slabs.k_blocks, 0, flat, out=k_out)
+        v = torch.index_select(slabs.v_blocks, 0, flat, out=v_out)
     with sw("attend_s"):
-        s = scores[: n * per * b * cnt * b].view(n, per * b, cnt * b)
+        s = slabs.scores[: n * per * b * cnt * b].view(n, per * b, cnt * b)
         torch.bmm(q, k.view(n, cnt * b, d).transpose(1, 2), out=s)  # q is already scaled
         if c.softcap is not None:
             s.div_(c.softcap).tanh_().mul_(c.softcap)
