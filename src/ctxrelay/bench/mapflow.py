@@ -6,7 +6,8 @@ of the receiver's TTFT; the capture's extra cost over a plain sender prefill is 
 Every method is an in-memory mapflow artifact variant run through `mapflow.relay_prefill`:
 
   mapflow   the calibrated artifact (its per-layer modes) at several p and r: the frontier;
-            all-guided and all-replace variants of the same calibration
+            all-guided and all-replace variants of the same calibration (guided-all: a guided
+            artifact with its native layers, those past its r, guided too)
   iam       IAM-style reuse: the later 50% of layers replace their attention with the sender's
             (suffix alignment, head h <- the proportionally placed sender head, no learned mixing)
   flexprefill  FlexPrefill-style receiver-side sparse prefill: layers >= r attend only to key
@@ -128,9 +129,13 @@ def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
         for gp in gps:
             if gp != base.guided_p:
                 out.append(("mapflow", base.method(), cfg(base.modes, art_w, base.top_p, guided_p=gp)))
+    every_guided = with_r(["guided"] * lr, r0)
     if "guided" in want and base.method() != "guided":
         for p in ps:
-            out.append(("mapflow", "guided", cfg(with_r(["guided"] * lr, r0), w_fit, p)))
+            out.append(("mapflow", "guided", cfg(every_guided, w_fit, p)))
+    elif "guided" in want and base.modes != every_guided:  # the artifact's native layers sparse too
+        for gp in sorted({base.guided_p, *gps}):
+            out.append(("mapflow", "guided-all", cfg(every_guided, w_fit, base.top_p, guided_p=gp)))
     if "hybrid" in want and base.method() != "hybrid":
         out.append(("mapflow", "hybrid", cfg(with_r(["hybrid"] * lr, r0), w_fit, base.top_p)))
     if "replace" in want and base.method() != "replace":

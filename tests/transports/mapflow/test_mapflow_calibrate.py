@@ -253,3 +253,22 @@ def test_mode_choice_follows_measured_costs():
     )
     assert chosen == ["native", "replace", "hybrid", "guided"]
     assert [s["step"] for s in log["steps"]][1:] == ["layer 2 -> hybrid", "layer 1 -> replace"]
+
+
+def test_bench_makes_a_guided_artifacts_native_layers_sparse_too(artifact, pair):
+    from ctxrelay.artifact import Artifact
+    from ctxrelay.bench import mapflow as mapflow_bench
+
+    art, _ = artifact
+    r0 = int(art.params.get("reuse_from", 0))
+    modes = ["native"] * r0 + ["guided"] * (len(art.params["modes"]) - r0)
+    modes[-1] = "native"  # as calibration leaves a layer native where guided measured no cheaper
+    dm = [int(x) for x in art.params["diagnosis_mapping"]]
+    params = dict(art.params, modes=modes, mapping=[dm[j] if m != "native" else -1 for j, m in enumerate(modes)])
+    ws = {f"w.{j}": art.tensors[f"w_fit.{j}"] for j, m in enumerate(modes) if m != "native"}
+    tensors = {k: v for k, v in art.tensors.items() if not k.startswith("w.")} | ws
+    guided_art = Artifact(art.transport, art.version, art.sender, art.receiver, tensors, params)
+    opts = mapflow_bench._options({"methods": "guided", "gp_list": "0.95"})
+    rows = [(m, cfg) for t, m, cfg in mapflow_bench.variants(guided_art, pair[1], opts) if m == "guided-all"]
+    assert sorted(cfg.guided_p for _, cfg in rows) == sorted({float(art.params["guided_p"]), 0.95})
+    assert all(cfg.modes == ["native"] * r0 + ["guided"] * (len(modes) - r0) for _, cfg in rows)
