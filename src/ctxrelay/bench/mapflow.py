@@ -104,11 +104,8 @@ def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
     rs = [int(x) for x in str(opts["r_list"]).split(",") if x] or [r0 + 4, r0 + 8]
     want = set(str(opts["methods"]).split(","))
     out = []
-
     fps = [float(x) for x in str(opts["flex_p"]).split(",") if x]
-
     gps = [float(x) for x in str(opts["gp_list"]).split(",") if x]
-
     mapping_all = mapping
 
     def cfg(modes, w, p, mapping=None, flex_p=base.flex_p, guided_p=base.guided_p):
