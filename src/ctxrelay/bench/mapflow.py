@@ -313,6 +313,11 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
             snd.append(zoo.load(sender))
         return snd[0]
 
+    def free_sender():  # the 7 GB sender leaves before the receiver runs
+        if snd:
+            snd.clear()
+            gc.collect()
+
     vs = variants(art, r, opts)
     layers = sorted({sl for _, _, cfg in vs for sl in cfg.sender_layers()})  # capture only what is read
     capture = bench_capture(str(opts["capture"]), [cfg for _, _, cfg in vs])
@@ -323,9 +328,7 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
             sender_state(c, float(opts["capture_p"]), block, layers, cache, load_sender, capture)
             for c in tqdm(cases, desc=f"sender states @{n}")
         ]
-        if snd:  # free the 7 GB sender before the receiver runs
-            snd.clear()
-            gc.collect()
+        free_sender()
         arts = [as_artifact(art, cfg) for _, _, cfg in vs]
         acc = [dict(top1=0.0, kl=0.0, n=0, nll=[], native_nll=[], exact=[], info=None) for _ in vs]
         native_exact, refs = [], []
@@ -347,8 +350,7 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
         if any(t == "mapflow" for t, _, _ in vs):
             plan_args = (float(opts["capture_p"]), block, layers, capture)
             pair = sender_timing(load_sender, art, cases[0], plan_args, int(opts["sender_pairs"]))
-            snd.clear()
-            gc.collect()
+            free_sender()
         extra_lengths[str(n)] = {
             "operators_ms": ops,
             "context_tokens_actual": [s.num_tokens for s in states],
