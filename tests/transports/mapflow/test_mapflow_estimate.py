@@ -5,11 +5,12 @@ import torch
 
 from conftest import SAMPLE_TEXT
 from ctxrelay.models import runner
+from ctxrelay.models.attention import AttnCall, positions_mask
 from ctxrelay.models.capture import capture_state
 from ctxrelay.models.tokens import tokenize_context
 from ctxrelay.transports import mapflow
 from ctxrelay.transports.mapflow import guided, reuse
-from ctxrelay.transports.mapflow.estimate import SampledMapCapture, sample_rows
+from ctxrelay.transports.mapflow.estimate import SampledMapCapture, sample_rows, sampled_block_mass
 from ctxrelay.transports.mapflow.mixing import identity_w
 from ctxrelay.transports.mapflow.sparse import MapsError, maps_from_tensors
 
@@ -28,6 +29,28 @@ def test_sample_rows_end_on_each_blocks_last_row():
     assert sample_rows(16, 1).tolist() == [15]
     assert sample_rows(16, 16).tolist() == list(range(16))
     assert sample_rows(3, 16).tolist() == [0, 1, 2]  # a short last block: each of its rows once
+
+
+@pytest.mark.parametrize(
+    ("t", "heads", "kv_heads", "window", "softcap", "rows"),
+    [(300, 4, 2, None, None, 16), (300, 4, 1, 100, None, 5), (257, 6, 3, 40, 30.0, 16), (130, 2, 1, 1000, None, 7)],
+)
+def test_block_mass_is_the_sampled_rows_softmax_summed_per_key_block(t, heads, kv_heads, window, softcap, rows):
+    """Against the plain definition: each sampled row's softmax over the keys it can see (causal, the
+    window), summed per key block, averaged over the block's rows; partial last blocks included."""
+    g = torch.Generator().manual_seed(t)
+    q, k = torch.randn(1, heads, t, 8, generator=g) * 2, torch.randn(1, kv_heads, t, 8, generator=g) * 2
+    c = AttnCall(0, q, k, torch.zeros_like(k), 0, 8**-0.5, window, softcap)
+    got = sampled_block_mass(c, BLOCK, rows)
+    nb = -(-t // BLOCK)
+    kx = k.repeat_interleave(heads // kv_heads, dim=1)[0]
+    for b in range(nb):
+        idx = b * BLOCK + sample_rows(min(BLOCK, t - b * BLOCK), rows)
+        s = (q[0, :, idx] @ kx.transpose(1, 2)) * c.scale
+        s = torch.tanh(s / softcap) * softcap if softcap else s
+        p = torch.softmax(s.masked_fill(~positions_mask(idx, t, window), float("-inf")), -1)
+        p = torch.nn.functional.pad(p, (0, nb * BLOCK - t)).view(heads, idx.numel(), nb, BLOCK).sum(-1).mean(1)
+        assert torch.allclose(got[:, b], p, atol=1e-6)
 
 
 def test_sampled_capture_keeps_fused_attention(tiny, monkeypatch):
