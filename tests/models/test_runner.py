@@ -22,6 +22,19 @@ def test_runner_matches_transformers(tiny):
     assert (out - ref).abs().max() < TOL
 
 
+def test_mlp_in_chunks_of_rows_matches_the_whole_prefill_at_once(tiny, monkeypatch):
+    ids = torch.randint(3, tiny.spec.vocab_size, (300,), generator=torch.Generator().manual_seed(1))
+    whole = runner.forward(tiny, ids, logits="all").logits
+    inter = runner.layers(tiny)[0].mlp.gate_proj.out_features
+    monkeypatch.setattr(runner, "MLP_CHUNK_ELEMS", 64 * inter)  # chunks of 64 rows: 5 per layer
+    calls = []
+    down = runner.layers(tiny)[0].mlp.down_proj
+    monkeypatch.setattr(down, "forward", lambda x, f=down.forward: calls.append(x.shape[1]) or f(x))
+    chunked = runner.forward(tiny, ids, logits="all").logits
+    assert calls == [64, 64, 64, 64, 44]
+    assert (chunked - whole).abs().max() < 1e-5
+
+
 def test_incremental_prefill_matches_one_shot(tiny):
     ids = _ids(tiny)
     whole = runner.forward(tiny, ids, logits="all").logits

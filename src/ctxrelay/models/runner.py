@@ -188,9 +188,30 @@ def layer_output(m: LoadedModel, i: int, h: torch.Tensor, attn_out: torch.Tensor
     o = layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(1, attn_out.shape[2], -1))
     if m.spec.family.sandwich_norm:
         h = h + layer.post_attention_layernorm(o)
-        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        return h + layer.post_feedforward_layernorm(mlp(layer.mlp, layer.pre_feedforward_layernorm(h)))
     h = h + o
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return h + mlp(layer.mlp, layer.post_attention_layernorm(h))
+
+
+# floats in one chunk's gate activation (16 MB). glibc serves blocks over 32 MB by a fresh mmap, so a
+# whole prefill's activation (4096 x 4864 floats in qwen-0.5b, 80 MB) faulted in new zeroed pages at
+# every layer: 12% system time; in chunks the blocks are reused and native prefill at 4096 measured
+# 1.15x faster (qwen-0.5b, same logits)
+MLP_CHUNK_ELEMS = 1 << 22
+
+
+def mlp(f: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's gated MLP, down(act(gate(x)) * up(x)), over chunks of rows when not training."""
+    gated = all(hasattr(f, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+    rows = max(64, MLP_CHUNK_ELEMS // f.gate_proj.out_features) if gated else 0
+    if not gated or x.shape[1] <= rows or torch.is_grad_enabled():
+        return f(x)
+    out = x.new_empty(*x.shape[:-1], f.down_proj.out_features)
+    for a in range(0, x.shape[1], rows):
+        xc = x[:, a : a + rows]
+        g = f.act_fn(f.gate_proj(xc))
+        out[:, a : a + rows] = f.down_proj(g.mul_(f.up_proj(xc)))
+    return out
 
 
 def head(m: LoadedModel, h: torch.Tensor, which: Literal["last", "all"]) -> torch.Tensor:
