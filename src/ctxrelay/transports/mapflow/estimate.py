@@ -7,8 +7,8 @@ fused SDPA and, from the same post-RoPE q and k (the runner's `on_qk` hook), com
 probabilities for `rows` strided query rows of each query block only (ending on the block's last
 row, as FlexPrefill estimates a pattern from its last query block, but per block). The mean of
 those rows' block masses estimates the block's mean row mass; the same top-p rule as the exact
-capture then keeps blocks. Cost: about rows / block of the attention's causal QK^T product (chunks
-of query blocks stop at their own last key), and no PV product.
+capture then keeps blocks. Cost: about rows / block of the attention's causal QK^T product (each
+query block's product stops at its own last row's key), and no PV product.
 
 With rows = block every row is sampled and the result equals the exact capture's pattern and
 masses (a test checks it); the maps hold no tiles, so replace mode cannot read them.
