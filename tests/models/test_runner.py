@@ -199,3 +199,16 @@ def test_native_attention_gives_each_query_only_the_keys_it_can_see(monkeypatch)
             q = torch.randn(1, h, t, d, generator=g)
             c = attention.AttnCall(0, q, k, v, q_start, d**-0.5, window, None, pos, key_mask)
             assert (attention.native_attention(c) - _full_mask_attention(c)).abs().max() < 1e-5
+
+
+def test_window_row_chunks_keep_scattered_positions_apart(monkeypatch):
+    """Selective recompute's scattered positions (the sink, a sentence, the last tokens): each SDPA
+    call of a sliding-window layer covers rows within WINDOW_CHUNK positions of each other, so its
+    key range stays rows + window instead of spanning the cache; every row is covered once."""
+    monkeypatch.setattr(attention, "WINDOW_CHUNK", 4)
+    qpos = torch.tensor([0, 1, 50, 51, 52, 53, 54, 55, 200, 300, 301])
+    chunks = attention._row_chunks(qpos, window=8)
+    assert [i for c in chunks for i in range(c.start, c.stop)] == list(range(qpos.numel()))
+    for c in chunks:
+        assert c.stop - c.start <= 4 and int(qpos[c].max() - qpos[c].min()) < 4
+    assert attention._row_chunks(qpos, window=None) == [slice(0, qpos.numel())]

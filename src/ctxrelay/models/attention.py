@@ -82,15 +82,32 @@ def native_attention(c: AttnCall) -> torch.Tensor:
     if c.positions is None and c.key_mask is None and c.q_start == 0 and c.window is None and t == s:
         return F.scaled_dot_product_attention(c.q, c.k, c.v, is_causal=True, scale=c.scale, enable_gqa=gqa)
     qpos = c.query_positions
-    rows = WINDOW_CHUNK if c.window is not None else t
     out = torch.empty_like(c.q)
-    for r0 in range(0, t, rows):
-        r = slice(r0, min(t, r0 + rows))
+    for r in _row_chunks(qpos, c.window):
         lo, hi = _key_range(qpos[r], s, c.window)
         q, k, v = c.q[:, :, r], c.k[:, :, lo:hi], c.v[:, :, lo:hi]
         mask = call_mask(c, r, (lo, hi))
         out[:, :, r] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.scale, enable_gqa=gqa)
     return out
+
+
+def _row_chunks(qpos: torch.Tensor, window: int | None) -> list[slice]:
+    """Query rows per SDPA call: all at once without a window; with one, runs of at most WINDOW_CHUNK
+    rows whose positions lie within WINDOW_CHUNK of the run's first, so each call's key range stays
+    rows + window. Scattered positions (selective recompute: the sink, a matched sentence, the last
+    tokens) in one run of 256 rows spanned nearly the whole cache in every sliding-window layer."""
+    t = qpos.numel()
+    if window is None:
+        return [slice(0, t)]
+    if t and bool((qpos[1:] - qpos[:-1] == 1).all()):  # in a row: fixed-size chunks
+        return [slice(r0, min(t, r0 + WINDOW_CHUNK)) for r0 in range(0, t, WINDOW_CHUNK)]
+    p = qpos.tolist()
+    chunks, r0 = [], 0
+    for r in range(1, t + 1):
+        if r == t or r - r0 >= WINDOW_CHUNK or abs(p[r] - p[r0]) >= WINDOW_CHUNK:
+            chunks.append(slice(r0, r))
+            r0 = r
+    return chunks
 
 
 def _key_range(qpos: torch.Tensor, s: int, window: int | None) -> tuple[int, int]:

@@ -306,10 +306,12 @@ def forward(
 
 
 @torch.inference_mode()
-def cache_from_pre_rope(m: LoadedModel, keys_pre_rope: torch.Tensor, values: torch.Tensor) -> KVCache:
+def cache_from_pre_rope(m: LoadedModel, keys_pre_rope: torch.Tensor, values: torch.Tensor, room: int = 0) -> KVCache:
     """Assemble a receiver cache from pre-k-norm, pre-RoPE keys and values [L, T, Hkv, d].
 
     The model applies its own k-norm and its own RoPE at positions 0..T-1, as native prefill would.
+    `room`: capacity for that many more tokens (the appended question), so they are written in place
+    instead of copying the whole cache into a larger one (60 ms of a relay into gemma3 at 4096).
     """
     s = m.spec
     want = (s.num_layers, s.num_kv_heads, s.head_dim)
@@ -322,12 +324,14 @@ def cache_from_pre_rope(m: LoadedModel, keys_pre_rope: torch.Tensor, values: tor
     t = keys_pre_rope.shape[1]
     like = torch.empty(1, t, s.hidden_size, dtype=m.dtype, device=m.device)
     rope = rope_tables(m, torch.arange(t, device=m.device), like)
-    ks, vs = [], []
+    capacity = t if room <= 0 else -(-(t + room) // KVCache.BLOCK) * KVCache.BLOCK
+    cache = KVCache.empty(m, capacity)
     for i in range(s.num_layers):
         k_raw = keys_pre_rope[i].to(m.device, m.dtype).transpose(0, 1).unsqueeze(0)
-        ks.append(finish_keys(m, i, k_raw, rope))
-        vs.append(values[i].to(m.device, m.dtype).transpose(0, 1).unsqueeze(0))
-    return KVCache(ks, vs)
+        v = values[i].to(m.device, m.dtype).transpose(0, 1).unsqueeze(0)
+        cache.write(i, slice(0, t), finish_keys(m, i, k_raw, rope), v)
+    cache.length = t
+    return cache
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 from ctxrelay.artifact import Artifact
 from ctxrelay.errors import UsageError
 from ctxrelay.models import runner
+from ctxrelay.models.runner import KVCache
 from ctxrelay.models.spec import LoadedModel, ModelSpec
 from ctxrelay.state import ContextState
 from ctxrelay.transports.base import RelayOutput, Transport
@@ -39,7 +40,9 @@ class SelfKV(Transport):
         suffix_ids = torch.as_tensor(suffix_ids, dtype=torch.long).view(-1)
         t = time.perf_counter()
         keep = state.num_tokens if len(suffix_ids) else state.num_tokens - 1
-        cache = runner.cache_from_pre_rope(receiver, state.keys_pre_rope[:, :keep], state.values[:, :keep])
+        cache = runner.cache_from_pre_rope(
+            receiver, state.keys_pre_rope[:, :keep], state.values[:, :keep], len(suffix_ids) + KVCache.BLOCK
+        )
         ta = time.perf_counter()
         out = runner.forward(receiver, suffix_ids if len(suffix_ids) else state.tokens[keep:], cache)
         timings = {"assemble_s": ta - t, "first_token_s": time.perf_counter() - ta}

@@ -83,9 +83,11 @@ def assemble_cache(
     ids: torch.Tensor,
     offsets: torch.Tensor,
     sw: Stopwatch | None = None,
+    room: int = 0,
 ) -> tuple[KVCache, Alignment]:
     """The receiver cache for the context tokens `ids` (receiver tokenization of state.text) from the
-    sender's K/V; bindings must be checked already. Timed into `sw` as translate / copy / assemble."""
+    sender's K/V, with capacity for `room` more tokens; bindings must be checked already. Timed into
+    `sw` as translate / copy / assemble."""
     sw = sw or Stopwatch()
     with sw("translate_s"):
         al = align_for(receiver, state, artifact, ids, offsets)
@@ -97,7 +99,7 @@ def assemble_cache(
         s = receiver.spec
         keys, values = translate(maps, send_k, send_v, al.src.to(receiver.device), s.num_kv_heads, s.head_dim)
     with sw("assemble_s"):
-        cache = runner.cache_from_pre_rope(receiver, keys, values) if ids.numel() else KVCache.empty(receiver)
+        cache = runner.cache_from_pre_rope(receiver, keys, values, room) if ids.numel() else KVCache.empty(receiver)
         if ids.numel():
             fill_native(receiver, ids, cache, al.native)
     return cache, al
@@ -134,7 +136,8 @@ def relay_prefill(
             if ids.numel() == 0:
                 raise ValueError("nothing to run: the context text and the suffix are both empty")
             ids, offsets, suffix = ids[:-1], offsets[:-1], ids[-1:]
-    cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw)
+    # room for the suffix and a short answer: neither copies the assembled cache into a larger one
+    cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw, suffix.numel() + KVCache.BLOCK)
     picked = None
     if recompute > 0 and ids.numel():
         with sw("select_s"):
