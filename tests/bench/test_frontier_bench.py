@@ -38,7 +38,7 @@ def tiny_world(tiny_by_family, tmp_path, monkeypatch):
     return s, r
 
 
-def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path, capsys):
+def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path, capsys, monkeypatch):
     opts = {"needles": 2, "sharegpt": 1, "rules": "recency,lexical", "fractions": "0.5", "continuation": 17,
             "answer_tokens": 4}  # fmt: skip
     path = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts, command="pytest")
@@ -74,6 +74,14 @@ def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path, capsys):
     stamped = json.loads(path.read_text())
     assert stamped["machine"]["cpu_model"] == "the measuring machine"
     path.write_text(json.dumps({**stamped, "machine": machine}))
+    # a direction whose artifact is not installed here keeps its gate replay and estimate check as written
+    from ctxrelay.transports.heterofold import calib_data
+
+    with monkeypatch.context() as m:
+        m.setattr(calib_data, "find_artifact", lambda sender, receiver: tmp_path / "missing.safetensors")
+        hf.bench(sender="S", receiver="R", options={"phase": "report"})
+    assert "no artifact for S -> R here" in capsys.readouterr().out
+    assert json.loads(path.read_text())["gate"] == stamped["gate"]
     # a rerun with the same cases and options measures nothing again
     again = hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts, command="pytest")
     assert json.loads(again.read_text())["rows"] == doc["rows"]

@@ -310,7 +310,7 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
         for x in doc.get("gate", [])
     ]  # fmt: skip
     est = [
-        [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", x.get("signal", "(pooled)"), str(x["requests"]),
+        [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", x.get("signal", _pooled(x)), str(x["requests"]),
          _cell(x.get("spearman_top1")), str(x["questions"]), _cell(x.get("spearman_needle"))]
         for x in doc.get("estimate_check", [])
     ]  # fmt: skip
@@ -329,6 +329,10 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
     heads = ["direction", "f", "tokens", "calibrated top-1", "facts kept", "fact recall", "passes the gate's quality"]
     lines += ["", *_markdown(heads, cal)]
     return "\n".join(lines)
+
+
+def _pooled(x: dict) -> str:
+    return f"(pooled, {x['directions']} directions)" if "directions" in x else "(pooled)"
 
 
 def calibrated_points(artifacts: dict, threshold: float) -> list[dict]:

@@ -290,7 +290,7 @@ def bench(
 
     def save(complete: bool = False) -> Path:
         meta = {**extra, "points": [list(p) for p in pts + exact], "complete": complete, "commands": commands}
-        return write_results(out, rows, command, {**meta, **derived(rows, arts)})
+        return write_results(out, rows, command, {**meta, **derived(rows, arts, earlier)})
 
     for rname in dict.fromkeys(r for _, r in dirs):
         r = zoo.load(rname)
@@ -351,37 +351,59 @@ def bench(
     return path
 
 
-def derived(rows: list[dict], arts: dict) -> dict:
-    """What a results file says beside its rows: per-point summary, estimate check, gate replay."""
+def derived(rows: list[dict], arts: dict, earlier: dict | None = None) -> dict:
+    """What a results file says beside its rows: per-point summary, estimate check, gate replay.
+
+    The estimate check, gate replay and calibrated points need each direction's artifact; a direction
+    with rows but no artifact loaded here (a run of other directions, or an artifact not installed on
+    this machine) keeps those entries from `earlier`, the file being rewritten, since its rows are
+    unchanged. The pooled estimate rows cover the directions loaded here and say how many."""
     dirs = sorted({(x["sender"], x["receiver"]) for x in rows})
     views = {d: (a.params, a.quality) for d, a in arts.items()}  # what the gate reads of each artifact
-    return {
-        "directions": [list(d) for d in dirs],
+    fresh = {
         "estimate_check": estimate_check(rows, {d: a.quality.get("estimate") for d, a in arts.items()}),
         "gate": gate_replay(rows, views, DEFAULT_QUALITY, MIN_SPEEDUP),
         "calibrated": calibrated_points(views, DEFAULT_QUALITY),
-        "summary": summarize(rows),
     }
+    for x in fresh["estimate_check"]:
+        if x["sender"] == "all":
+            x["directions"] = sum(1 for a in arts.values() if a.quality.get("estimate"))
+    carried = set(dirs) - set(arts)
+    for key, items in fresh.items():
+        kept = [x for x in (earlier or {}).get(key, []) if (x["sender"], x["receiver"]) in carried]
+        items[:0] = kept
+        items.sort(key=lambda x: (x["sender"] == "all", x["sender"], x["receiver"]))  # stable: keeps each order
+    return {"directions": [list(d) for d in dirs], **fresh, "summary": summarize(rows)}
 
 
 def report(out: str) -> Path:
     """Recompute the derived tables of a results file with this code and the installed artifacts
     (the rows stay as measured), print them and redraw the plot."""
     doc = read_results(out)
-    arts = {d: _artifact(*d) for d in sorted({(x["sender"], x["receiver"]) for x in doc["rows"]})}
+    dirs = sorted({(x["sender"], x["receiver"]) for x in doc["rows"]})
+    arts = {d: _artifact(*d) for d in dirs if _artifact_path(*d).exists()}
+    for d in dirs:
+        if d not in arts:
+            print(f"no artifact for {d[0]} -> {d[1]} here: its gate replay and estimate check stay as written")
     keep = {k: v for k, v in doc.items() if k not in ("rows", "command", "machine", "git_commit", "written")}
     # the rows' machine stays theirs: a later run resumes from them only on the same machine facts
-    path = write_results(out, doc["rows"], doc["command"], {**keep, **derived(doc["rows"], arts)}, doc["machine"])
+    meta = {**keep, **derived(doc["rows"], arts, doc)}
+    path = write_results(out, doc["rows"], doc["command"], meta, doc["machine"])
     print(tables(read_results(path)))
     return plot(doc["rows"], path)
+
+
+def _artifact_path(sender: str, receiver: str) -> Path:
+    from ctxrelay.transports.heterofold.calib_data import find_artifact
+
+    return find_artifact(sender, receiver)
 
 
 def _artifact(sender: str, receiver: str):
     from ctxrelay.artifact import Artifact
     from ctxrelay.transports.heterofold import ARTIFACT_VERSION, TRANSPORT
-    from ctxrelay.transports.heterofold.calib_data import find_artifact
 
-    p = find_artifact(sender, receiver)
+    p = _artifact_path(sender, receiver)
     if not p.exists():
         raise UsageError(f"no heterofold artifact for {sender} -> {receiver} at {p}: run `ctxrelay calibrate` first")
     return Artifact.load(p, transport=TRANSPORT, version=ARTIFACT_VERSION)
