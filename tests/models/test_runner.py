@@ -212,3 +212,36 @@ def test_window_row_chunks_keep_scattered_positions_apart(monkeypatch):
     for c in chunks:
         assert c.stop - c.start <= 4 and int(qpos[c].max() - qpos[c].min()) < 4
     assert attention._row_chunks(qpos, window=None) == [slice(0, qpos.numel())]
+
+
+def test_hidden_entries_are_invisible_in_early_layers_to_every_later_token(tiny):
+    """KVCache.hide: the appended tokens and decoded ones skip the hidden entries in the first k layers
+    (the same as a per-layer key mask), see them in the rest, and a clone keeps the hiding."""
+    import dataclasses
+
+    ids = _ids(tiny)
+    ctx, suffix = ids[:-6], ids[-6:]
+    k = max(1, tiny.spec.num_layers // 2)
+    hidden = torch.zeros(ctx.numel(), dtype=torch.bool)
+    hidden[3:-2] = True  # up to the last entries: inside every sliding window too
+
+    def masked(c):
+        vis = torch.ones(c.k.shape[2], dtype=torch.bool)
+        vis[: hidden.numel()] = ~hidden
+        return attention.native_attention(dataclasses.replace(c, key_mask=vis))
+
+    by_layer = dict.fromkeys(range(k), masked)
+    ref_cache = runner.forward(tiny, ctx, logits="none").cache
+    ref = runner.forward(tiny, suffix, ref_cache, attention=by_layer, logits="all").logits
+    ref_next = runner.forward(tiny, ids[:1], ref_cache, attention=by_layer).logits
+    cache = runner.forward(tiny, ctx, logits="none").cache
+    cache.hide(hidden, k)
+    plain = runner.forward(tiny, suffix, cache.clone(), logits="all").logits
+    assert (plain - ref).abs().max() < TOL
+    out = runner.forward(tiny, suffix, cache, logits="all").logits
+    nxt = runner.forward(tiny, ids[:1], cache).logits  # a decoded token: hidden from it too
+    assert (out - ref).abs().max() < TOL and (nxt - ref_next).abs().max() < TOL
+    seen = runner.forward(tiny, suffix, runner.forward(tiny, ctx, logits="none").cache, logits="all").logits
+    assert (seen - ref).abs().max() > 1e-3  # the hidden entries did matter
+    cache.hide(hidden, 0)
+    assert cache.visible(0, cache.length) is None

@@ -68,6 +68,7 @@ OPTIONS = {
     "continuation": 129,  # teacher-forced continuation tokens (ppl@128 needs 129)
     "answer_tokens": 24,
     "attend": "all",
+    "hide": 0,  # hide_translated: the question and answer skip translated entries in the first k layers
     "warmup": 1,
     "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts
     "seed": 0,
@@ -76,7 +77,7 @@ OPTIONS = {
     "redo": "",  # comma list of rules whose kept rows of this phase are measured again (the rule changed)
     "redo_datasets": "",  # with redo: only rows of these datasets (comma list of needle, sharegpt; empty: all)
 }
-CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "ref_tokenizer", "seed")
+CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "hide", "ref_tokenizer", "seed")
 
 
 @dataclass
@@ -161,10 +162,16 @@ def native_ref(r, case: Case, opts: dict) -> NativeRef:
 # ---- one relayed point -------------------------------------------------------------------------
 
 
+def relay_options(rule: str, f: float, opts: dict) -> dict:
+    """relay_prefill's options for a point (plain translation, f = 0, hides nothing)."""
+    hide = int(opts["hide"]) if f else 0
+    return {"recompute": f, "selection": rule if f else "mix", "attend": opts["attend"], "hide_translated": hide}
+
+
 def relay_point(r, state, art, ref: NativeRef, case: Case, rule: str, f: float, opts: dict) -> dict:
     from ctxrelay.transports.heterofold import relay_prefill
 
-    kw = {"recompute": f, "selection": rule if f else "mix", "attend": opts["attend"]}
+    kw = relay_options(rule, f, opts)
     t0 = time.perf_counter()
     out = relay_prefill(r, state, art, ref.cont, logits="all", query="", **kw)  # a continuation: no query
     row = compare(ref.logprobs, out.logits[:-1], ref.cont[1:], (1, 16, 32, 128))
@@ -191,7 +198,7 @@ def _signals(info: dict) -> dict:
 def time_point(r, state, art, ref: NativeRef, rule: str, f: float, opts: dict, repeats: int) -> dict:
     from ctxrelay.transports.heterofold import relay_prefill
 
-    kw = {"recompute": f, "selection": rule if f else "mix", "attend": opts["attend"]}
+    kw = relay_options(rule, f, opts)
     outs = []
 
     def run():
@@ -261,7 +268,8 @@ def bench(
     command = command or f"ctxrelay bench heterofold-frontier --lengths {','.join(map(str, lengths))}"
     cases = build_cases(ref_tokenizer(opts["ref_tokenizer"]), sorted(lengths), opts)
     arts = {d: _artifact(*d) for d in dirs}
-    extra = {"options": {k: opts[k] for k in CASE_OPTIONS}, "lengths": sorted(lengths), "repeats": repeats}
+    case_opts = {k: opts[k] for k in CASE_OPTIONS if k != "hide" or int(opts[k])}  # runs before hide: the same
+    extra = {"options": case_opts, "lengths": sorted(lengths), "repeats": repeats}
     extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
 
     def stale(x: dict) -> bool:  # a row of a rule to measure again: this run's phase, directions, datasets

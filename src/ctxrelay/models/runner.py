@@ -39,6 +39,30 @@ class KVCache:
         self._k, self._v = list(keys), list(values)
         self.length = (keys[0].shape[2] if keys else 0) if length is None else length
         self.reallocations = 0  # times the buffers grew (a test watches this)
+        # entries hidden from every later query in layers < hidden_layers (see hide); positions past
+        # the mask (the appended question, decoded tokens) are visible
+        self.hidden: torch.Tensor | None = None
+        self.hidden_layers = 0
+
+    def hide(self, hidden: torch.Tensor, layers: int) -> None:
+        """Hide the entries where `hidden` ([length] bool) is True from every query that runs later, in
+        layers 0..layers-1 (heterofold: translated entries kept from the question and the answer in the
+        early layers, where they bent more than they told). layers=0 shows everything again."""
+        if layers <= 0:
+            self.hidden, self.hidden_layers = None, 0
+            return
+        if hidden.shape != (self.length,):
+            raise ValueError(f"hidden must be a bool mask of the cache's {self.length} positions")
+        self.hidden, self.hidden_layers = hidden.to(torch.bool).clone(), int(layers)
+
+    def visible(self, layer: int, n: int) -> torch.Tensor | None:
+        """[n] bool of the positions a query may see in `layer` (None: all)."""
+        if self.hidden is None or layer >= self.hidden_layers:
+            return None
+        vis = torch.ones(n, dtype=torch.bool, device=self.hidden.device)
+        k = min(n, self.hidden.numel())
+        vis[:k] = ~self.hidden[:k]
+        return vis
 
     @staticmethod
     def empty(m: LoadedModel, capacity: int = 0) -> KVCache:
@@ -87,7 +111,10 @@ class KVCache:
         return self._k[layer][:, :, :n], self._v[layer][:, :, :n]
 
     def clone(self) -> KVCache:
-        return KVCache([k.clone() for k in self.keys], [v.clone() for v in self.values])
+        out = KVCache([k.clone() for k in self.keys], [v.clone() for v in self.values])
+        if self.hidden is not None:
+            out.hide(self.hidden[: self.length], self.hidden_layers)
+        return out
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
@@ -261,7 +288,8 @@ def forward(
     `positions` ([T], optional) places the tokens at explicit, possibly scattered positions: their
     K/V are written there (over what the cache held) and each query attends by position, causally,
     to the whole cache (sliding windows by position too). Default: appended after the cache.
-    `key_mask` ([cache length after the call] bool, optional) hides the False keys from every query.
+    `key_mask` ([cache length after the call] bool, optional) hides the False keys from every query;
+    entries the cache hides (KVCache.hide) are hidden too in the layers it hides them in.
     `attention` replaces the attention of chosen layers; `capture` records sender state.
     """
     ids = ids.view(1, -1).to(m.device)
@@ -286,7 +314,11 @@ def forward(
                 capture.vals.append(v[0].transpose(0, 1).clone())
         cache.write(i, where, finish_keys(m, i, k_raw, rope), v)
         k_all, v_all = cache.view(i, end)
-        call = attn_call(m, i, q, k_all, v_all, start, qpos, key_mask)
+        mask = key_mask
+        vis = cache.visible(i, end)
+        if vis is not None:
+            mask = vis if key_mask is None else key_mask & vis.to(key_mask.device)
+        call = attn_call(m, i, q, k_all, v_all, start, qpos, mask)
         if capture is not None and capture.on_qk is not None and (capture.qk_layers is None or i in capture.qk_layers):
             capture.on_qk(call)
         if i in attention:

@@ -74,3 +74,7 @@ def test_recompute_stage_at_a_second_length_keeps_the_first(tiny_by_family, monk
     other = {**opts, "recompute_tokens": 128, "rule": "recency"}  # another rule: the other lengths are dropped
     calib_data._add_recompute_stage(s, r, art, other, "recency")
     assert {x["tokens"] for x in art.params["recompute_stage"]["rows"]} == {128}
+    hidden = {**opts, "recompute_tokens": 64, "rule": "recency", "hide_layers": 1}  # measured another way too
+    calib_data._add_recompute_stage(s, r, art, hidden, "hidden")
+    assert {x["tokens"] for x in art.params["recompute_stage"]["rows"]} == {64}
+    assert art.params["recompute_stage"]["hide_layers"] == 1 and art.quality["recompute"][0]["hide_translated"] == 1

@@ -210,3 +210,46 @@ def test_a_signal_that_barely_varies_is_never_the_estimate():
     est = fit_estimate(rows)
     assert est["signal"] == "tail_nll"  # exact_share ranks these perfectly, and means nothing
     assert fit_estimate([{k: v for k, v in r.items() if k != "tail_nll"} for r in rows]) == {}
+
+
+@pytest.mark.parametrize(("s", "r"), PAIRS)
+def test_hiding_translated_entries_from_the_question(tiny_by_family, s, r):
+    """hide_translated = k: nothing is translated at f = 1 (native exactly); at f < 1 the question and the
+    answer skip the translated entries in the first k layers; 0 is the relay as before."""
+    sender, receiver = tiny_by_family[s], tiny_by_family[r]
+    state = capture_state(sender, CONTEXT, "t")
+    suffix = suffix_ids(receiver, QUESTION)
+    native = _native(receiver, CONTEXT, suffix).logits[-len(suffix) :]
+    art = zero_artifact(sender, receiver)
+    layers = receiver.spec.num_layers
+    full = relay_prefill(receiver, state, art, suffix, logits="all", recompute=1.0, hide_translated=layers)
+    assert (full.logits - native).abs().max() < TOL
+    base = relay_prefill(receiver, state, art, suffix, logits="all", recompute=0.3, selection="recency")
+    same = relay_prefill(receiver, state, art, suffix, logits="all", recompute=0.3, selection="recency",
+                         hide_translated=0)  # fmt: skip
+    assert torch.equal(base.logits, same.logits) and "hide_translated" not in same.info
+    hid = relay_prefill(receiver, state, art, suffix, logits="all", recompute=0.3, selection="recency",
+                        hide_translated=layers)  # fmt: skip
+    assert hid.info["hide_translated"] == layers and (hid.logits - base.logits).abs().max() > 1e-4
+    assert hid.cache.hidden_layers == layers  # the answer decoded from this cache skips them too
+    with pytest.raises(UsageError, match="hide_translated"):
+        relay_prefill(receiver, state, art, suffix, recompute=0.3, hide_translated=layers + 1)
+
+
+def test_a_stage_measured_with_hidden_translations_serves_its_points_with_them(tiny_by_family):
+    from ctxrelay.transports.heterofold import transport
+    from ctxrelay.transports.heterofold.faithful import calibrate_recompute
+
+    sender, receiver = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    art = zero_artifact(sender, receiver)
+    words = SAMPLE_TEXT.split()
+    texts = [" ".join(words[i:] + words[:i]) * 2 for i in range(0, 24, 6)]
+    hide = receiver.spec.num_layers // 2
+    res = calibrate_recompute(sender, receiver, art, texts, [0.3], suffix_tokens=40, hide=hide)
+    plain = calibrate_recompute(sender, receiver, art, texts, [0.3], suffix_tokens=40)
+    assert res["recompute"][0]["hide_translated"] == hide and "hide_translated" not in plain["recompute"][0]
+    assert res["recompute"][0]["kl"] != plain["recompute"][0]["kl"]  # measured with the option, not without
+    art.quality.update(top1_agreement=0.5, recompute=res["recompute"])
+    pts = transport.operating_points(art.params, art.quality)
+    assert pts[0]["options"] == {}  # plain translation hides nothing
+    assert pts[1]["options"] == {"recompute": 0.3, "selection": "mix", "hide_translated": hide}

@@ -45,9 +45,11 @@ class Heterofold(Transport):
                     {"tokens": row_tokens(q), "top1_agreement": q["top1_agreement"], "calibrated_estimates": e}
                     for q, e in zip(levels, ests, strict=True)
                 ]
-            points.append(
-                {"label": f"f={f:.2f} {rule}", "options": {"recompute": f, "selection": rule}, "quality": point_q}
-            )
+            options = {"recompute": f, "selection": rule}
+            hide = int(levels[0].get("hide_translated", 0))  # the stage measured the point with it
+            if hide:
+                options["hide_translated"] = hide
+            points.append({"label": f"f={f:.2f} {rule}", "options": options, "quality": point_q})
         return points
 
     def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):

@@ -25,8 +25,9 @@ from ctxrelay.errors import UsageError
 DATA_DEFAULTS = {"chunk_chars": 2200, "essay_chunks": 40, "conversations": 24, "heldout_essays": 4, "heldout_convs": 4}
 # the faithful mode's stage (quality per recompute fraction, the per-request estimate): training-split
 # essays and conversations of about the length the relay serves
+# hide_layers = k: the question and the answer skip translated entries in the receiver's first k layers
 RECOMPUTE_DEFAULTS = {"recompute_tokens": 2048, "recompute_essays": 8, "recompute_convs": 4,
-                      "fractions": "0.05,0.1,0.2,0.3", "rule": "mix"}  # fmt: skip
+                      "fractions": "0.05,0.1,0.2,0.3", "rule": "mix", "hide_layers": 0}  # fmt: skip
 # the fact-recall stage (facts.py): calibration-only needle cases, answered natively and at every fraction
 FACTS_DEFAULTS = {"facts_cases": 24, "facts_tokens": 2048, "facts_new_tokens": 32}
 
@@ -186,10 +187,10 @@ def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
     from ctxrelay.transports.heterofold.faithful import calibrate_recompute, estimate_entry
     from ctxrelay.transports.heterofold.recompute import row_tokens
 
-    n, rule = int(opts["recompute_tokens"]), str(opts["rule"])
+    n, rule, hide = int(opts["recompute_tokens"]), str(opts["rule"]), int(opts["hide_layers"])
     fracs = [float(f) for f in str(opts["fractions"]).split(",") if f]
     old = art.params.get("recompute_stage") or {}
-    same_rule = old.get("rule", "mix") == rule
+    same_rule = old.get("rule", "mix") == rule and int(old.get("hide_layers", 0)) == hide
     old_n = int(old.get("recompute_tokens", RECOMPUTE_DEFAULTS["recompute_tokens"]))
 
     def keep(x: dict) -> bool:
@@ -199,7 +200,7 @@ def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
     table = [{**q, "tokens": row_tokens(q, old_n)} for q in art.quality.get("recompute", []) if keep(q)]
     runs = {k: v for k, v in (old.get("lengths") or {str(old_n): {"command": old.get("command")}}).items()
             if same_rule and int(k) != n and v.get("command")}  # fmt: skip
-    res = calibrate_recompute(s, r, art, recompute_texts(r.tokenizer, opts), fracs, rule, tokens=n)
+    res = calibrate_recompute(s, r, art, recompute_texts(r.tokenizer, opts), fracs, rule, tokens=n, hide=hide)
     rows += res["recompute_rows"]
     table = sorted(table + res["recompute"], key=lambda q: (q["tokens"], q["f"]))
     art.quality.update(recompute=table, estimate=estimate_entry(rows, rule))
@@ -209,15 +210,17 @@ def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
 
 
 def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
+    """Fact recall at the points the gate serves: with the recompute stage's hide_layers unless opts set one."""
     from ctxrelay.transports.heterofold.facts import calibrate_facts
 
     fracs = [0.0] + [float(f) for f in str(opts["fractions"]).split(",") if f]
+    hide = int(opts["hide_layers"]) or int((art.params.get("recompute_stage") or {}).get("hide_layers", 0))
     res = calibrate_facts(s, r, art, fracs, str(opts["rule"]), cases=int(opts["facts_cases"]),
                           tokens=int(opts["facts_tokens"]), new_tokens=int(opts["facts_new_tokens"]),
-                          root=paths.work_dir("heterofold", "states"))  # fmt: skip
+                          root=paths.work_dir("heterofold", "states"), hide=hide)  # fmt: skip
     art.quality["facts"] = res["facts"]
     art.params["facts_stage"] = {"command": command, "rows": res["rows"], "rule": str(opts["rule"]),
-                                 **{k: opts[k] for k in FACTS_DEFAULTS}}  # fmt: skip
+                                 "hide_layers": hide, **{k: opts[k] for k in FACTS_DEFAULTS}}  # fmt: skip
 
 
 def _command(sender: str, receiver: str, options: dict | None) -> str:

@@ -76,6 +76,7 @@ def calibrate_facts(
     tokens: int,
     new_tokens: int,
     root: Path,
+    hide: int = 0,
 ) -> dict:
     """{"facts": [...per f...], "rows": [...per case and f...]} (module docstring)."""
     rows = []
@@ -92,22 +93,24 @@ def calibrate_facts(
         native = _answer(receiver, nat.cache, nat.logits, new_tokens)
         native_right = score_answer(native, case.answer)["exact"]
         for f in fractions:
-            out = relay_prefill(receiver, state, artifact, q, recompute=f, selection=rule, query=case.question)
+            kw = {"recompute": f, "selection": rule, "query": case.question, "hide_translated": hide if f else 0}
+            out = relay_prefill(receiver, state, artifact, q, **kw)
             answer = _answer(receiver, out.cache, out.logits, new_tokens)
             rows.append({"case": i, "f": f, "question_inside": inside, "native_right": native_right,
                          "relay_right": score_answer(answer, case.answer)["exact"], "answer": answer,
                          "native_answer": native})  # fmt: skip
-    return {"facts": fact_table(rows, rule), "rows": rows}
+    return {"facts": fact_table(rows, rule, hide), "rows": rows}
 
 
-def fact_table(rows: list[dict], rule: str) -> list[dict]:
+def fact_table(rows: list[dict], rule: str, hide: int = 0) -> list[dict]:
     table = []
     for f in sorted({r["f"] for r in rows}):
         part = [r for r in rows if r["f"] == f]
         right = sum(r["native_right"] for r in part)
         kept = sum(r["native_right"] and r["relay_right"] for r in part)
         table.append({"f": f, "selection": rule, "cases": len(part), "native_right": right, "kept": kept,
-                      "fact_recall": kept / right if right else None})  # fmt: skip
+                      "fact_recall": kept / right if right else None,
+                      **({"hide_translated": hide} if hide else {})})  # fmt: skip
     return table
 
 

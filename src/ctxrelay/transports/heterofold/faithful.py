@@ -78,6 +78,7 @@ def calibrate_recompute(
     rule: str = DEFAULT_RULE,
     suffix_tokens: int = 129,
     tokens: int = 2048,
+    hide: int = 0,
 ) -> dict:
     """{"recompute": [...], "estimate": {...}, "recompute_rows": [...]} for the artifact's quality; rows
     and table entries carry `tokens`, the context length the texts were cut to."""
@@ -86,7 +87,7 @@ def calibrate_recompute(
     for f in fractions:
         pooled = PooledQuality()
         for i, it in enumerate(tqdm(items, desc=f"recompute f={f}", leave=False)):
-            kw = {"recompute": f, "selection": rule, "query": ""}  # a continuation: no question to match
+            kw = {"recompute": f, "selection": rule, "query": "", "hide_translated": hide}  # no question to match
             out = relay_prefill(receiver, it.state, artifact, it.suffix, logits="all", **kw)
             lp = torch.log_softmax(out.logits[:-1].float(), -1)
             pooled.add(it.native_logprobs, lp, it.suffix[1:])
@@ -96,7 +97,8 @@ def calibrate_recompute(
             row["recompute_fraction"] = out.info.get("recompute_fraction", 0.0)
             rows.append(row)
         res = pooled.result(heldout.HORIZONS)
-        table.append({"f": f, "selection": rule, "tokens": tokens, **res, "texts": len(items)})
+        hidden = {"hide_translated": hide} if hide else {}
+        table.append({"f": f, "selection": rule, "tokens": tokens, **hidden, **res, "texts": len(items)})
     return {"recompute": table, "estimate": estimate_entry(rows, rule), "recompute_rows": rows}
 
 

@@ -116,6 +116,7 @@ def relay_prefill(
     selection: str = "mix",
     query: str | None = None,
     attend: str = "all",
+    hide_translated: int = 0,
 ) -> RelayOutput:
     """Receiver cache for `state.text` from the sender's K/V, then `suffix_ids` natively.
 
@@ -123,11 +124,18 @@ def relay_prefill(
     context tokens chosen by `selection` (recompute.py; `query` is the appended span's text, default
     the decoded suffix), through all layers; f = 1 is native prefill. With an empty suffix the last
     context token runs natively so there are next-token logits. logits="all" returns logits for every
-    suffix position (quality benchmarks); the contract is "last".
+    suffix position (quality benchmarks); the contract is "last". hide_translated = k > 0: the suffix
+    and every token decoded after it do not see the translated entries in the receiver's first k
+    layers, only the native and recomputed ones (the artifact's recompute stage measures k).
     """
     sw = Stopwatch()
     with sw("translate_s"):
         check_state(receiver, state, artifact)
+        if not 0 <= int(hide_translated) <= receiver.spec.num_layers:
+            raise UsageError(
+                f"hide_translated must be a layer count in 0..{receiver.spec.num_layers} for {receiver.name}, "
+                f"got {hide_translated}"
+            )
         suffix = torch.as_tensor(suffix_ids, dtype=torch.long).view(-1)
         if suffix.numel() and (int(suffix.min()) < 0 or int(suffix.max()) >= receiver.spec.vocab_size):
             raise ValueError(f"suffix ids must be token ids of {receiver.name} (0..{receiver.spec.vocab_size - 1})")
@@ -145,6 +153,9 @@ def relay_prefill(
             picked = select(receiver, selection, recompute, ids, offsets, state.text, q, cache, al.native)
         with sw("recompute_s"):
             _, signals = recompute_positions(receiver, ids, cache, picked.positions, attend)
+    if hide_translated > 0 and ids.numel():
+        with sw("assemble_s"):
+            cache.hide(translated_mask(ids.numel(), al.native, picked), hide_translated)
     with sw("first_token_s"):
         out = runner.forward(receiver, suffix, cache, logits=logits)
         first = int(out.logits[-1].argmax())
@@ -160,6 +171,8 @@ def relay_prefill(
         "first_token": first,
         "first_token_p": float(torch.softmax(out.logits[-1].float(), -1).max()),
     }
+    if hide_translated > 0:
+        info["hide_translated"] = int(hide_translated)
     if picked is not None:
         info.update(
             recompute_fraction=picked.positions.numel() / max(1, ids.numel()),
@@ -174,6 +187,16 @@ def relay_prefill(
     if est is not None:  # the gate checks info["estimate"]; one that ranks too weakly is only reported
         info["estimate" if trusts(model) else "estimate_unused"] = est
     return RelayOutput(out.cache, out.logits, sw.timings, info)
+
+
+def translated_mask(n: int, native: list[int], picked=None) -> torch.Tensor:
+    """[n] bool: the context positions that hold translated K/V (not the native sink and specials, not
+    the recomputed tokens)."""
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[torch.tensor(native, dtype=torch.long)] = False
+    if picked is not None:
+        mask[picked.positions] = False
+    return mask
 
 
 def make_artifact(
