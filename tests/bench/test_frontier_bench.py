@@ -158,6 +158,13 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
     slow = [{**x, "relay_ttft_s": 9.05} if x.get("kind") == "timing" and x["f"] == 0.2 else x for x in rows]
     (g,) = gate_replay(slow, {("s", "r"): ({}, {"recompute": table, "estimate": est})}, 0.85, 1.1)
     assert g["points"] == {"f=0.10 mix": 1, "f=0.20 mix": 1, "native": 1}
+    # a point the stage measured with hide_translated replays only rows measured with it: none here
+    hidden = [{**x, "hide_translated": 12} for x in table]
+    (g,) = gate_replay(rows, {("s", "r"): ({}, {"recompute": hidden, "estimate": est})}, 0.85, 1.1)
+    assert g["points"] == {"native": 3}
+    marked = [{**x, "hide_translated": 12} if x["f"] > 0 else x for x in rows]
+    (g,) = gate_replay(marked, {("s", "r"): ({}, {"recompute": hidden, "estimate": est})}, 0.85, 1.1)
+    assert g["points"] == {"f=0.10 mix": 1, "f=0.20 mix": 1, "native": 1}
 
 
 def test_a_quality_only_run_still_plots(tmp_path):

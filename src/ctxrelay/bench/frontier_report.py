@@ -185,7 +185,8 @@ def _candidates(points: list[dict], timing: dict, key: tuple, threshold: float, 
     out = []
     for p in points:
         p = quality_at(p, key[2])
-        t = timing.get((*key, p["selection"], p["f"]))
+        hide = int(p.get("hide_translated", 0))  # rows measured the way the gate serves the point
+        t = timing.get((*key, p["selection"], p["f"], hide))
         if not t or quality_refusal(p, threshold) is not None:
             continue
         expected = t["relay_ttft_s"]
@@ -194,7 +195,7 @@ def _candidates(points: list[dict], timing: dict, key: tuple, threshold: float, 
                 t["relay_ttft_s"], t["native_ttft_s"], p["calibrated_estimates"], threshold
             )[0]
         if expected * margin < t["native_ttft_s"]:
-            out.append((p["selection"], p["f"], t["relay_ttft_s"], t["native_ttft_s"]))
+            out.append((p["selection"], p["f"], hide, t["relay_ttft_s"], t["native_ttft_s"]))
     return out
 
 
@@ -212,10 +213,10 @@ def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, t
     """One request through the gate: the first candidate whose estimate passes, else native."""
     from ctxrelay.transports.heterofold.recompute import estimate, trusts
 
-    native = by_case.get((*key, "none", 0.0), {})
+    native = by_case.get((*key, "none", 0.0, 0), {})
     spent = 0.0
-    for rule, f, relay_s, native_s in cands:
-        row = by_case.get((*key, rule, f))
+    for rule, f, hide, relay_s, native_s in cands:
+        row = by_case.get((*key, rule, f, hide))
         if row is None:  # every candidate beats native by the margin: a refused one's time is spent either way
             break
         spent += relay_s
@@ -227,7 +228,7 @@ def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, t
             return {"point": f"f={f:.2f} {rule}", "ttft_s": spent, "native_ttft_s": native_s,
                     "top1": row["top1_agreement"], "needle": row.get("needle_acc"), "ppl_ratio": ratio,
                     "native_needle": native.get("native_needle_acc"), "dataset": native.get("dataset")}  # fmt: skip
-    native_s = cands[0][3] if cands else None
+    native_s = cands[0][4] if cands else None
     return {"point": "native", "ttft_s": spent + native_s if native_s else None, "native_ttft_s": native_s,
             "top1": 1.0, "needle": native.get("native_needle_acc"), "ppl_ratio": 1.0,
             "native_needle": native.get("native_needle_acc"), "dataset": native.get("dataset")}  # fmt: skip
@@ -246,7 +247,8 @@ def gate_replay(rows: list[dict], artifacts: dict, threshold: float, margin: flo
     prefill. Answers, top-1 and TTFT come from the rows of the points tried."""
     timing = {_point_key(x): x for x in rows if x.get("kind") == "timing"}
     quality = [x for x in rows if x.get("kind") != "timing"]
-    by_case = {(x["sender"], x["receiver"], x["case_key"], x["selection"], x["f"]): x for x in quality}
+    by_case = {(x["sender"], x["receiver"], x["case_key"], x["selection"], x["f"], x.get("hide_translated", 0)): x
+               for x in quality}  # fmt: skip
     out = []
     for (s, r), (params, q) in sorted(artifacts.items()):
         points = _points(params, q)
@@ -278,7 +280,7 @@ def _info(row: dict, which: str) -> dict:
 
 
 def _point_key(x: dict) -> tuple:
-    return x["sender"], x["receiver"], x["length"], x["selection"], x["f"]
+    return x["sender"], x["receiver"], x["length"], x["selection"], x["f"], x.get("hide_translated", 0)
 
 
 def _cell(x, fmt: str = ".2f") -> str:

@@ -168,6 +168,12 @@ def relay_options(rule: str, f: float, opts: dict) -> dict:
     return {"recompute": f, "selection": rule if f else "mix", "attend": opts["attend"], "hide_translated": hide}
 
 
+def hide_field(f: float, opts: dict) -> dict:
+    """A row's hide_translated, where its point hid anything (the gate replay matches it to the point's)."""
+    hide = relay_options("mix", f, opts)["hide_translated"]
+    return {"hide_translated": hide} if hide else {}
+
+
 def relay_point(r, state, art, ref: NativeRef, case: Case, rule: str, f: float, opts: dict) -> dict:
     from ctxrelay.transports.heterofold import relay_prefill
 
@@ -316,7 +322,7 @@ def bench(
                     bar.set_postfix_str(f"{sname}->{rname} {case.key} {rule}@{f}")
                     q = relay_point(r, state, arts[(sname, rname)], ref, case, rule, f, opts)
                     row = {"transport": "heterofold", "method": "heterofold", "sender": sname, **base,
-                           "selection": rule, "f": f, "case_key": case.key, **q,
+                           "selection": rule, "f": f, **hide_field(f, opts), "case_key": case.key, **q,
                            "native_answer": ref.answer}  # fmt: skip
                     if case.question:
                         row["native_needle_acc"] = score_answer(ref.answer, case.answer)["exact"]
@@ -344,8 +350,9 @@ def bench(
                 for rule, f, t in timed:
                     row = {"transport": "heterofold", "method": "heterofold", "kind": "timing", "sender": sname,
                            "receiver": rname, "length": case.length, "case_key": case.key, "selection": rule,
-                           "f": f, "context_tokens": int(ref.ctx.numel()), "native_ttft_s": native_s,
-                           "native_times_s": native_times, **t, "speedup": native_s / t["relay_ttft_s"]}  # fmt: skip
+                           "f": f, **hide_field(f, opts), "context_tokens": int(ref.ctx.numel()),
+                           "native_ttft_s": native_s, "native_times_s": native_times, **t,
+                           "speedup": native_s / t["relay_ttft_s"]}  # fmt: skip
                     rows.append(row)
                     done.add(_row_key(row))
                 path = save()

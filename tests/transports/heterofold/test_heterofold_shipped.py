@@ -118,5 +118,7 @@ def test_full_recompute_reproduces_native_on_a_real_pair():
     native = runner.forward(receiver, torch.cat([context_ids(receiver, context), suffix]), logits="all").logits
     out = relay_prefill(receiver, state, art, suffix, logits="all", recompute=1.0)
     assert (out.logits - native[-len(suffix) :]).abs().max() < 1e-3
+    hidden = relay_prefill(receiver, state, art, suffix, logits="all", recompute=1.0, hide_translated=12)
+    assert (hidden.logits - native[-len(suffix) :]).abs().max() < 1e-3  # nothing translated is left to hide
     plain = relay_prefill(receiver, state, art, suffix, logits="all")
     assert (plain.logits - native[-len(suffix) :]).abs().max() > 1e-2  # the translation alone is not native
