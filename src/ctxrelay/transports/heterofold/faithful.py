@@ -87,7 +87,7 @@ def calibrate_recompute(
     for f in fractions:
         pooled = PooledQuality()
         for i, it in enumerate(tqdm(items, desc=f"recompute f={f}", leave=False)):
-            kw = {"recompute": f, "selection": rule, "query": "", "hide_translated": hide}  # no question to match
+            kw = {"recompute": f, "selection": rule, "query": "", "hide_translated": hide if f else 0}  # no query
             out = relay_prefill(receiver, it.state, artifact, it.suffix, logits="all", **kw)
             lp = torch.log_softmax(out.logits[:-1].float(), -1)
             pooled.add(it.native_logprobs, lp, it.suffix[1:])
