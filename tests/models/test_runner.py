@@ -244,4 +244,4 @@ def test_hidden_entries_are_invisible_in_early_layers_to_every_later_token(tiny)
     seen = runner.forward(tiny, suffix, runner.forward(tiny, ctx, logits="none").cache, logits="all").logits
     assert (seen - ref).abs().max() > 1e-3  # the hidden entries did matter
     cache.hide(hidden, 0)
-    assert cache.visible(0, cache.length) is None
+    assert cache.visible(cache.length) is None and cache.hidden_layers == 0

@@ -55,9 +55,9 @@ class KVCache:
             raise ValueError(f"hidden must be a bool mask of the cache's {self.length} positions")
         self.hidden, self.hidden_layers = hidden.to(torch.bool).clone(), int(layers)
 
-    def visible(self, layer: int, n: int) -> torch.Tensor | None:
-        """[n] bool of the positions a query may see in `layer` (None: all)."""
-        if self.hidden is None or layer >= self.hidden_layers:
+    def visible(self, n: int) -> torch.Tensor | None:
+        """[n] bool of the positions a query may see in the layers below hidden_layers (None: all)."""
+        if self.hidden is None:
             return None
         vis = torch.ones(n, dtype=torch.bool, device=self.hidden.device)
         k = min(n, self.hidden.numel())
@@ -303,6 +303,10 @@ def forward(
     rope_pos = torch.arange(start, start + t, device=m.device) if qpos is None else qpos
     rope = rope_tables(m, rope_pos, h)
     attention = attention or {}
+    # the key mask of the layers where the cache hides entries: one per call, not one per layer
+    early_mask, vis = key_mask, cache.visible(end)
+    if vis is not None:
+        early_mask = vis if key_mask is None else key_mask & vis.to(key_mask.device)
     for i in range(m.spec.num_layers):
         x = attn_input(m, i, h)
         q = project_q(m, i, x, rope)
@@ -314,10 +318,7 @@ def forward(
                 capture.vals.append(v[0].transpose(0, 1).clone())
         cache.write(i, where, finish_keys(m, i, k_raw, rope), v)
         k_all, v_all = cache.view(i, end)
-        mask = key_mask
-        vis = cache.visible(i, end)
-        if vis is not None:
-            mask = vis if key_mask is None else key_mask & vis.to(key_mask.device)
+        mask = early_mask if i < cache.hidden_layers else key_mask
         call = attn_call(m, i, q, k_all, v_all, start, qpos, mask)
         if capture is not None and capture.on_qk is not None and (capture.qk_layers is None or i in capture.qk_layers):
             capture.on_qk(call)

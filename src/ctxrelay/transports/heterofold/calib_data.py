@@ -190,16 +190,16 @@ def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
     n, rule, hide = int(opts["recompute_tokens"]), str(opts["rule"]), int(opts["hide_layers"])
     fracs = [float(f) for f in str(opts["fractions"]).split(",") if f]
     old = art.params.get("recompute_stage") or {}
-    same_rule = old.get("rule", "mix") == rule and int(old.get("hide_layers", 0)) == hide
+    same_way = old.get("rule", "mix") == rule and int(old.get("hide_layers", 0)) == hide  # rule and hiding
     old_n = int(old.get("recompute_tokens", RECOMPUTE_DEFAULTS["recompute_tokens"]))
 
     def keep(x: dict) -> bool:
-        return same_rule and row_tokens(x, old_n) != n
+        return same_way and row_tokens(x, old_n) != n
 
     rows = [{**x, "tokens": row_tokens(x, old_n)} for x in old.get("rows", []) if keep(x)]
     table = [{**q, "tokens": row_tokens(q, old_n)} for q in art.quality.get("recompute", []) if keep(q)]
     runs = {k: v for k, v in (old.get("lengths") or {str(old_n): {"command": old.get("command")}}).items()
-            if same_rule and int(k) != n and v.get("command")}  # fmt: skip
+            if same_way and int(k) != n and v.get("command")}  # fmt: skip
     res = calibrate_recompute(s, r, art, recompute_texts(r.tokenizer, opts), fracs, rule, tokens=n, hide=hide)
     rows += res["recompute_rows"]
     table = sorted(table + res["recompute"], key=lambda q: (q["tokens"], q["f"]))
