@@ -14,9 +14,9 @@ def _facts(n_conv=6, turns=3):
     }
 
 
-def _costs(relay_s=None):
+def _costs(relay_s=None, refused=0.0):
     lin = lambda per: CostModel({"prefill_s": [0.05, per, 0.0]})
-    relay = {("L", "S"): (lambda n: relay_s)} if relay_s is not None else {}
+    relay = {("L", "S"): (lambda n: (relay_s, refused))} if relay_s is not None else {}
     return router.Costs({"L": lin(4e-3), "S": lin(1e-3)}, {"L": 0.02, "S": 0.005}, relay)
 
 
@@ -52,3 +52,20 @@ def test_prefix_cache_never_slower_than_full_and_relay_only_after_the_other_mode
     # no edge passes the gate: the relay mode is the native one
     same = router.simulate(facts, rt, _costs(), "relay", rate=0.01, think_s=5.0, reply_cap=16, seed=0)
     assert [x["ttft_s"] for x in same] == [x["ttft_s"] for x in native]
+
+
+def test_a_refused_relay_pays_the_relay_then_the_prefix_cached_prefill():
+    facts = _facts(n_conv=40)
+    rt = router.routes(facts, "L", "S", tau=0.25, sigma=0.0, seed=0)
+    native = router.simulate(facts, rt, _costs(), "native", rate=0.01, think_s=5.0, reply_cap=16, seed=0)
+    half = router.simulate(facts, rt, _costs(relay_s=0.01, refused=0.5), "relay", rate=0.01, think_s=5.0,
+                           reply_cap=16, seed=0)  # fmt: skip
+    hows = [x["how"] for x in half]
+    assert hows.count("refused") and hows.count("relay")  # drawn per turn, about half each
+    for x, n in zip(half, native, strict=True):
+        if x["how"] == "refused":  # the relay, then what native prefill costs this turn
+            assert x["prefill_s"] > n["prefill_s"]
+    # refused so often that the expected cost loses to the prefix-cached prefill: never tried
+    never = router.simulate(facts, rt, _costs(relay_s=0.05, refused=0.99), "relay", rate=0.01, think_s=5.0,
+                            reply_cap=16, seed=0)  # fmt: skip
+    assert not any(x["how"] in ("relay", "refused") for x in never)

@@ -15,8 +15,11 @@ has its own server (FIFO). Per turn, the server's prefill work is
              cache, as vLLM and SGLang keep), so it prefills only the turns since it last served
   full       the whole transcript again (no prefix cache), for reference
   relay      where the previous turn was served by the other model and an edge passes the gate at that
-             length (the gate's default quality threshold and margin), the cheaper of that relay (+ the
-             new turn prefilled over it) and the native prefix-cached prefill; else native
+             length (the gate's default quality threshold and margin), the cheaper in expectation of that
+             relay (+ the new turn prefilled over it) and the native prefix-cached prefill; else native.
+             Where the gate's point carries a trusted per-request estimate, a turn's relay is refused with
+             the share of calibration texts that estimate refused (drawn per turn, seeded): the relay is
+             paid, then the prefix-cached native prefill, as the relay layer serves it
 TTFT = queue wait + prefill; a server stays busy for the reply's decode (`reply_tokens`, capped).
 """
 
@@ -162,7 +165,7 @@ def decode_seconds(m: LoadedModel, context: int = 1024, n: int = 16, repeats: in
 class Costs:
     native: dict  # model name -> CostModel of a native prefill of n tokens
     decode_s: dict[str, float]  # model name -> seconds per decoded token
-    relay: dict  # (sender, receiver) -> function(context tokens) -> predicted relay seconds, or None (gate: native)
+    relay: dict  # (sender, receiver) -> function(context tokens) -> (predicted relay s, refused share) or None
 
     def incremental(self, model: str, cached: int, new: int) -> float:
         """Prefill of `new` tokens over `cached` ones of the model's own K/V (the quadratic fit's
@@ -192,6 +195,7 @@ def simulate(facts: dict, route: dict, costs: Costs, mode: str, rate: float, thi
     """Per turn: model, TTFT, prefill seconds, how it was served. Arrivals and think times depend on
     `seed` only, so modes and taus compare on the same arrivals."""
     rng = random.Random(seed + 10_000)
+    refusals = random.Random(seed + 20_000)  # its own stream: the arrivals stay the same in every mode
     events, t = [], 0.0
     for cid in sorted(route):
         t += rng.expovariate(rate)
@@ -213,9 +217,13 @@ def simulate(facts: dict, route: dict, costs: Costs, mode: str, rate: float, thi
             relay = costs.relay.get((route[cid][j - 1], m))
             r = relay(ctx) if relay else None
             if r is not None:
-                r += costs.incremental(m, ctx, f.prompt_tokens - ctx) - costs.incremental(m, 0, 0)
-                if r < prefill:
-                    how, prefill = "relay", r
+                relay_s, refused = r
+                relay_s += costs.incremental(m, ctx, f.prompt_tokens - ctx) - costs.incremental(m, 0, 0)
+                if relay_s + refused * prefill < prefill:
+                    if refused and refusals.random() < refused:
+                        how, prefill = "refused", relay_s + prefill
+                    else:
+                        how, prefill = "relay", relay_s
         start = max(arrive, free[m])
         decode = min(f.reply_tokens, reply_cap) * costs.decode_s[m]
         free[m] = start + prefill + decode
@@ -255,6 +263,7 @@ def sweep(facts: dict, costs: Costs, opts: dict, large: str, small: str) -> tupl
                          "tau": tau, "p": p, "turns": len(turns), "rate": float(opts["rate"]),
                          "small_share": sum(x["model"] == small for x in turns) / len(turns),
                          "relayed_turns": sum(x["how"] == "relay" for x in turns),
+                         "refused_turns": sum(x["how"] == "refused" for x in turns),
                          "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
                          "ttft_mean_s": statistics.mean(ttft),
                          "small_ttft_p90_s": percentile(_ttfts(turns, small), 90),
@@ -302,7 +311,9 @@ def measured_costs(pool, large: str, small: str, threshold: float, decode_s: dic
             key = 64 * max(1, round(n / 64))
             if key not in memo:
                 d = decide(pool.graph, state, r.spec.weights_hash, key, quality_threshold=threshold)
-                memo[key] = d.predicted_relay_s if d.transport != "native" else None
+                chosen = next((c for c in d.candidates if c.point is d.point), None)
+                refused = chosen.refused if chosen else 0.0
+                memo[key] = (d.predicted_relay_s, refused) if d.transport != "native" else None
             return memo[key]
 
         relay[(s_name, r_name)] = predict
