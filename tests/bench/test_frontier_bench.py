@@ -138,7 +138,8 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
         rows += [q(case, "none", 0.0, None, 0), q(case, "mix", 0.1, e1, 1), q(case, "mix", 0.2, e2, 1),
                  q(case, "mix", 0.3, 0.99, 1)]  # fmt: skip
     table = [{"f": f, "selection": "mix", "top1_agreement": a} for f, a in ((0.1, 0.86), (0.2, 0.9), (0.3, 0.95))]
-    est = {"signal": "tail_confidence", "slope": 1.0, "centres": {"0.1": [0.0, 0.0]}, "spearman": 0.6}  # = signal
+    est = {"signal": "tail_confidence", "slope": 1.0, "centres": {"0.1": [0.0, 0.0]},
+           "spearman": 0.6, "cv_spearman": 0.6}  # fmt: skip
     (g,) = gate_replay(rows, {("s", "r"): ({}, {"recompute": table, "estimate": est})}, 0.85, 1.1)
     # a: accepted at f=0.1 (1 s); b: 0.1 fails, 0.2 passes (1 + 2 s); c: both fail, f=0.3 is not 1.1x
     # faster than native so it is no candidate: native after paying 3 s (13 s)
@@ -150,7 +151,8 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
     (g,) = gate_replay(rows, {("s", "r"): ({}, {"recompute": table, "estimate": est})}, 0.85, 1.1)
     assert g["points"] == {"f=0.20 mix": 2, "native": 1}
     # an estimate that ranked its calibration texts weakly is not acted on: the cheapest point serves
-    (g,) = gate_replay(rows, {("s", "r"): ({}, {"recompute": table, "estimate": {**est, "spearman": 0.3}})}, 0.85, 1.1)
+    weak = {**est, "spearman": 0.3, "cv_spearman": 0.3}
+    (g,) = gate_replay(rows, {("s", "r"): ({}, {"recompute": table, "estimate": weak})}, 0.85, 1.1)
     assert g["points"] == {"f=0.10 mix": 2, "f=0.20 mix": 1}
     # what a refused relay cost is paid either way: b's f=0.1 is refused (1 s), then f=0.2 alone (9.05 s)
     # still beats native (10 s), so it serves (10.05 s in all) instead of native after the refusal (11 s)

@@ -157,7 +157,7 @@ def test_gate_counts_the_relays_its_estimate_would_refuse(tiny_by_family, tmp_pa
     """A point whose trusted per-request estimate refused most calibration texts would mostly pay a relay
     and then native prefill: the gate drops it for its expected cost, not its best case."""
     s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
-    model = {"signal": "kv_change", "slope": -1.0, "centres": {"0.2": [0.1, 0.9]}, "spearman": -0.7}
+    model = {"signal": "kv_change", "slope": -1.0, "centres": {"0.2": [0.1, 0.9]}, "spearman": -0.7, "cv_spearman": 0.7}
     rows = [{"f": 0.2, "kv_change": x} for x in (0.0, 0.3, 0.35, 0.4)]  # estimates 1.0, 0.7, 0.65, 0.6
     quality = {"top1_agreement": 0.5, "recompute": [{"f": 0.2, "selection": "mix", "top1_agreement": 0.9}],
                "estimate": model}  # fmt: skip
@@ -182,7 +182,8 @@ def test_gate_ranks_points_by_expected_cost_with_their_estimates_refusals(tiny_b
     """f=0.1 is predicted cheapest but its trusted estimate refuses half the calibration texts (each a
     relay paid, then native prefill); f=0.2 is slower and refuses none: f=0.2 is tried first."""
     s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
-    model = {"signal": "kv_change", "slope": -1.0, "centres": {"0.1": [0.1, 0.9], "0.2": [0.1, 0.9]}, "spearman": -0.7}
+    model = {"signal": "kv_change", "slope": -1.0, "centres": {"0.1": [0.1, 0.9], "0.2": [0.1, 0.9]},
+             "spearman": -0.7, "cv_spearman": 0.7}  # fmt: skip
     rows = [{"f": 0.1, "kv_change": x} for x in (0.0, 0.05, 0.4, 0.45)]  # estimates 1.0, 0.95, 0.6, 0.55
     rows += [{"f": 0.2, "kv_change": 0.05}] * 4  # estimates 0.95
     quality = {"top1_agreement": 0.5, "estimate": model,

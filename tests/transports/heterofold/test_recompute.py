@@ -136,12 +136,13 @@ def test_recompute_stage_measures_each_fraction_and_fits_an_estimate(tiny_by_fam
     assert labels == ["", "f=0.20 mix", "f=0.60 mix"]
     suffix = suffix_ids(receiver, QUESTION)
     state = capture_state(sender, CONTEXT, "t")
-    art.quality["estimate"] = {**est, "spearman": 0.6}
+    art.quality["estimate"] = {**est, "cv_spearman": 0.6}
     out = relay_prefill(receiver, state, art, suffix, recompute=0.2)
     assert 0.0 <= out.info["estimate"] <= 1.0  # every recomputed request reports its estimate
     assert "estimate" not in relay_prefill(receiver, state, art, suffix).info
-    # an estimate that ranked its calibration texts weakly is reported but not given to the gate
-    art.quality["estimate"] = {**est, "spearman": 0.3}
+    # an estimate that ranked texts left out of its fit weakly is reported but not given to the gate,
+    # however well it fitted its own texts
+    art.quality["estimate"] = {**est, "spearman": -0.9, "cv_spearman": 0.3}
     weak = relay_prefill(receiver, state, art, suffix, recompute=0.2).info
     assert "estimate" not in weak and weak["estimate_unused"] == out.info["estimate"]
 
@@ -192,7 +193,7 @@ def test_the_estimate_is_centred_per_calibrated_length():
     assert at[1024] == at[2048] and at[8192] == at[4096]  # the nearest calibrated length outside the range
     assert at[2896] == pytest.approx((at[2048] + at[4096]) / 2, abs=1e-3)
     assert estimate(est, info) == pytest.approx(at[2048])  # no length given: the shortest's centres
-    trusted = {**est, "spearman": -0.9}
+    trusted = {**est, "cv_spearman": 0.9}
     assert len(calibrated_estimates(trusted, rows, 0.3)) == 16
     long = calibrated_estimates(trusted, rows, 0.3, tokens=4096)
     assert len(long) == 8 and max(long) < min(calibrated_estimates(trusted, rows, 0.3, tokens=2048))
@@ -253,3 +254,25 @@ def test_a_stage_measured_with_hidden_translations_serves_its_points_with_them(t
     pts = transport.operating_points(art.params, art.quality)
     assert pts[0]["options"] == {}  # plain translation hides nothing
     assert pts[1]["options"] == {"recompute": 0.3, "selection": "mix", "hide_translated": hide}
+
+
+def test_the_gate_trusts_an_estimate_by_the_texts_left_out_of_its_fit():
+    """A signal that follows top-1 ranks texts left out of its fit about as well as those in it; noise
+    picked as the best of six signals fits its own texts but ranks left-out ones near zero."""
+    from ctxrelay.transports.heterofold.faithful import fit_estimate
+    from ctxrelay.transports.heterofold.recompute import SIGNALS, trusts
+
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(24):
+        top1 = 0.7 + 0.01 * i
+        noise = {s: float(torch.rand(1, generator=gen)) for s in SIGNALS}
+        for f in (0.2, 0.3):
+            rows.append({"text": i, "f": f, "top1_agreement": top1 + f / 10, **noise})
+    noisy = fit_estimate(rows)  # every signal is noise: the best of six in sample
+    assert abs(noisy["spearman"]) > noisy["cv_spearman"] and noisy["cv_spearman"] < 0.5 and not trusts(noisy)
+    for r in rows:  # one signal now follows top-1 (with a little noise)
+        r["tail_nll"] = 3.0 - 5 * r["top1_agreement"] + 0.01 * float(torch.rand(1, generator=gen))
+    good = fit_estimate(rows)
+    assert good["signal"] == "tail_nll" and good["cv_spearman"] > 0.9 and trusts(good)
+    assert not trusts({k: v for k, v in good.items() if k != "cv_spearman"})  # calibrated before it existed

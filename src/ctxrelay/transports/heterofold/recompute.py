@@ -50,9 +50,10 @@ MATCH_RATIO = 0.5  # mix, adaptive: sentences scoring >= this share of the best 
 COPY_NGRAM = 6  # mix: the context's last tokens looked up earlier in the context
 COPY_SHARE = 0.25  # mix: at most this share of the budget goes to what followed those earlier occurrences
 COPY_SOURCES = 4  # mix: distinct earlier occurrences copied from, latest first
-# the gate acts on a per-request estimate only where its signal ranked the calibration texts at least
-# this well (|Spearman| at a fixed f). Measured: kv_change at 0.33 in sample ranked held-out requests
-# at -0.11..0.05 (qwen-1.5b -> gemma3, 20 per f) and sent 4 of 10 to native after paying a relay
+# the gate acts on a per-request estimate only where it ranked calibration texts left out of its fit at
+# least this well (Spearman at a fixed f; faithful.left_out_spearman). Measured: kv_change at 0.33 in sample
+# ranked held-out requests at -0.11..0.05 (qwen-1.5b -> gemma3, 20 per f) and sent 4 of 10 to native after
+# paying a relay; translated_attention at -0.53 in sample (qwen-1.5b -> qwen-0.5b) was 0.21 left out
 MIN_ESTIMATE_RHO = 0.5
 
 
@@ -276,8 +277,11 @@ def row_tokens(row: dict, default: int = 2048) -> int:
 
 
 def trusts(model: dict | None) -> bool:
-    """Whether the artifact's estimate ranks requests well enough for the gate to act on it."""
-    return bool(model) and abs(float(model.get("spearman", 0.0))) >= MIN_ESTIMATE_RHO
+    """Whether the artifact's estimate ranks requests well enough for the gate to act on it: by how it
+    ranked calibration texts it was not fitted on (cv_spearman), never by its in-sample fit. An estimate
+    calibrated before cv_spearman existed is not acted on (`ctxrelay calibrate ... --set stage=refit`
+    adds it from the stored rows)."""
+    return bool(model) and float(model.get("cv_spearman") or 0.0) >= MIN_ESTIMATE_RHO
 
 
 @torch.inference_mode()
