@@ -15,6 +15,7 @@ SHIPPED = [
     ("qwen2.5-coder-1.5b", "smollm2-135m"),
     ("qwen2.5-coder-1.5b", "gemma3-270m"),
     ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"),  # same tokenizer, other size: beside mapflow's edge
+    ("smollm2-135m", "gemma3-270m"),  # the small sender: the gate relays it with recompute
 ]
 
 
