@@ -179,11 +179,12 @@ def relay_point(r, state, art, ref: NativeRef, case: Case, rule: str, f: float, 
 
     kw = relay_options(rule, f, opts)
     t0 = time.perf_counter()
-    out = relay_prefill(r, state, art, ref.cont, logits="all", query="", **kw)  # a continuation: no query
+    # a continuation: no query; every signal, for the estimate check (time_point times what serving runs)
+    out = relay_prefill(r, state, art, ref.cont, logits="all", query="", signals="all", **kw)
     row = compare(ref.logprobs, out.logits[:-1], ref.cont[1:], (1, 16, 32, 128))
     row["continuation_info"] = _signals(out.info)
     if case.question:
-        qo = relay_prefill(r, state, art, ref.q, **kw)
+        qo = relay_prefill(r, state, art, ref.q, signals="all", **kw)
         gen = runner.decode(r, qo.cache, qo.logits[-1], time.perf_counter(), int(opts["answer_tokens"]))
         row.update(answer=gen.text, needle_acc=score_answer(gen.text, case.answer)["exact"])
         row["question_info"] = _signals(qo.info)

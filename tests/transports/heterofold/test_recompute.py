@@ -59,12 +59,16 @@ def test_partial_recompute_moves_toward_native_and_times_every_part(tiny_by_fami
     art = zero_artifact(sender, receiver)
     errs = []
     for f in (0.0, 0.3, 0.7, 1.0):
-        out = relay_prefill(receiver, state, art, suffix, logits="all", recompute=f, selection="recency")
+        out = relay_prefill(receiver, state, art, suffix, logits="all", recompute=f, selection="recency", signals="all")
         errs.append(float((out.logits - native).abs().mean()))
         if f:
             assert {"select_s", "recompute_s"} <= set(out.timings)
             assert 0 < out.info["recompute_fraction"] <= f + 0.05  # + the natively computed sink
             assert out.info["kv_change"] >= 0 and "tail_nll" in out.info
+            # serving measures only what the gate acts on (this artifact has no estimate): same logits
+            served = relay_prefill(receiver, state, art, suffix, logits="all", recompute=f, selection="recency")
+            assert torch.equal(served.logits, out.logits)
+            assert not {"kv_change", "tail_nll", "tail_confidence", "translated_attention"} & set(served.info)
     assert errs[0] > errs[1] > errs[2] > errs[3] and errs[3] < TOL
 
 
@@ -143,8 +147,12 @@ def test_recompute_stage_measures_each_fraction_and_fits_an_estimate(tiny_by_fam
     # an estimate that ranked texts left out of its fit weakly is reported but not given to the gate,
     # however well it fitted its own texts
     art.quality["estimate"] = {**est, "spearman": -0.9, "cv_spearman": 0.3}
-    weak = relay_prefill(receiver, state, art, suffix, recompute=0.2).info
+    weak = relay_prefill(receiver, state, art, suffix, recompute=0.2, signals="all").info
     assert "estimate" not in weak and weak["estimate_unused"] == out.info["estimate"]
+    with pytest.raises(UsageError, match="signals must be"):
+        relay_prefill(receiver, state, art, suffix, recompute=0.2, signals="some")
+    # serving does not even measure an estimate the gate will not act on
+    assert not {"estimate", "estimate_unused"} & set(relay_prefill(receiver, state, art, suffix, recompute=0.2).info)
 
 
 def test_copy_sources_find_what_followed_the_contexts_last_tokens_earlier():

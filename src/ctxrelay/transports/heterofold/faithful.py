@@ -117,7 +117,7 @@ def calibrate_recompute(
         pooled = PooledQuality()
         for i, it in enumerate(tqdm(items, desc=f"recompute f={f}", leave=False)):
             kw = {"recompute": f, "selection": rule, "query": "", "hide_translated": hide if f else 0}  # no query
-            out = relay_prefill(receiver, it.state, artifact, it.suffix, logits="all", **kw)
+            out = relay_prefill(receiver, it.state, artifact, it.suffix, logits="all", signals="all", **kw)
             lp = torch.log_softmax(out.logits[:-1].float(), -1)
             pooled.add(it.native_logprobs, lp, it.suffix[1:])
             agree = float(position_agreement(it.native_logprobs, lp).mean())

@@ -25,7 +25,7 @@ from ctxrelay.timing import Stopwatch
 from ctxrelay.transports.base import RelayOutput, check_edge
 from ctxrelay.transports.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
 from ctxrelay.transports.heterofold.maps import FoldMaps, translate
-from ctxrelay.transports.heterofold.recompute import estimate, select, trusts
+from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate, select, trusts
 from ctxrelay.transports.heterofold.recompute import recompute as recompute_positions
 
 TRANSPORT = "heterofold"
@@ -117,6 +117,7 @@ def relay_prefill(
     query: str | None = None,
     attend: str = "all",
     hide_translated: int = 0,
+    signals: Literal["estimate", "all"] = "estimate",
 ) -> RelayOutput:
     """Receiver cache for `state.text` from the sender's K/V, then `suffix_ids` natively.
 
@@ -127,6 +128,9 @@ def relay_prefill(
     suffix position (quality benchmarks); the contract is "last". hide_translated = k > 0: the suffix
     and every token decoded after it do not see the translated entries in the receiver's first k
     layers, only the native and recomputed ones (the artifact's recompute stage measures k).
+    signals="estimate" measures only the per-request signal the gate acts on (none where the artifact's
+    estimate is not trusted); "all" measures every recompute signal and reports an untrusted estimate as
+    info["estimate_unused"] (calibration and quality benchmarks). Neither changes the cache or logits.
     """
     sw = Stopwatch()
     with sw("translate_s"):
@@ -137,6 +141,8 @@ def relay_prefill(
                 f"got {hide_translated}"
             )
         suffix = torch.as_tensor(suffix_ids, dtype=torch.long).view(-1)
+        if signals not in ("estimate", "all"):
+            raise UsageError(f"signals must be 'estimate' or 'all', not {signals!r}")
         if suffix.numel() and (int(suffix.min()) < 0 or int(suffix.max()) >= receiver.spec.vocab_size):
             raise ValueError(f"suffix ids must be token ids of {receiver.name} (0..{receiver.spec.vocab_size - 1})")
         ids, offsets = tokenize_context(receiver, state.text)
@@ -147,12 +153,14 @@ def relay_prefill(
     # room for the suffix and a short answer: neither copies the assembled cache into a larger one
     cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw, suffix.numel() + KVCache.BLOCK)
     picked = None
+    model = artifact.quality.get("estimate")
+    wanted = SIGNALS if signals == "all" else ((model or {}).get("signal"),) if trusts(model) else ()
     if recompute > 0 and ids.numel():
         with sw("select_s"):
             q = query if query is not None else receiver.tokenizer.decode(suffix)
             picked = select(receiver, selection, recompute, ids, offsets, state.text, q, cache, al.native)
         with sw("recompute_s"):
-            _, signals = recompute_positions(receiver, ids, cache, picked.positions, attend)
+            _, measured = recompute_positions(receiver, ids, cache, picked.positions, attend, wanted)
     if hide_translated > 0 and ids.numel():
         with sw("assemble_s"):
             cache.hide(translated_mask(ids.numel(), al.native, picked), hide_translated)
@@ -180,10 +188,9 @@ def relay_prefill(
             attend=attend,
             recomputed=int(picked.positions.numel()),
             **picked.info,
-            **signals,
+            **measured,
         )
-    model = artifact.quality.get("estimate")
-    est = estimate(model, info)
+    est = estimate(model, info) if signals == "all" or trusts(model) else None
     if est is not None:  # the gate checks info["estimate"]; one that ranks too weakly is only reported
         info["estimate" if trusts(model) else "estimate_unused"] = est
     return RelayOutput(out.cache, out.logits, sw.timings, info)
