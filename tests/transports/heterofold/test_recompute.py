@@ -51,6 +51,25 @@ def test_no_recompute_is_plain_heterofold(tiny_by_family, s, r):
     assert set(b.timings) == {"translate_s", "copy_s", "assemble_s", "first_token_s"}
 
 
+@pytest.mark.parametrize(("s", "r"), PAIRS)
+def test_the_sink_is_native_whether_or_not_the_recompute_pass_computes_it(tiny_by_family, s, r):
+    """With recompute the sink and specials run in the recompute pass, not a pass of their own: a budget
+    that rounds to no token is plain heterofold, and a partial one holds the receiver's own sink K/V."""
+    sender, receiver = tiny_by_family[s], tiny_by_family[r]
+    state = capture_state(sender, CONTEXT, "t")
+    suffix = suffix_ids(receiver, QUESTION)
+    art = zero_artifact(sender, receiver)
+    plain = relay_prefill(receiver, state, art, suffix, logits="all")
+    tiny_f = relay_prefill(receiver, state, art, suffix, logits="all", recompute=1e-6, selection="recency")
+    assert tiny_f.info["recomputed"] == 0 and (tiny_f.logits - plain.logits).abs().max() < TOL
+    part = relay_prefill(receiver, state, art, suffix, recompute=0.2, selection="recency")
+    ids = context_ids(receiver, CONTEXT)
+    native = runner.forward(receiver, ids, logits="none").cache
+    for i in range(receiver.spec.num_layers):  # position 0 (the sink) attends only to itself: exactly native
+        assert (part.cache.keys[i][:, :, 0] - native.keys[i][:, :, 0]).abs().max() < TOL
+        assert (part.cache.values[i][:, :, 0] - native.values[i][:, :, 0]).abs().max() < TOL
+
+
 def test_partial_recompute_moves_toward_native_and_times_every_part(tiny_by_family):
     sender, receiver = tiny_by_family["llama"], tiny_by_family["qwen2"]
     state = capture_state(sender, CONTEXT, "t")

@@ -84,10 +84,13 @@ def assemble_cache(
     offsets: torch.Tensor,
     sw: Stopwatch | None = None,
     room: int = 0,
+    native: bool = True,
 ) -> tuple[KVCache, Alignment]:
     """The receiver cache for the context tokens `ids` (receiver tokenization of state.text) from the
     sender's K/V, with capacity for `room` more tokens; bindings must be checked already. Timed into
-    `sw` as translate / copy / assemble."""
+    `sw` as translate / copy / assemble. native=False leaves the sink and specials translated (zero
+    rows): for a caller whose recompute pass computes them anyway (`fill_native` is a pass over every
+    weight of the receiver, however few its tokens)."""
     sw = sw or Stopwatch()
     with sw("translate_s"):
         al = align_for(receiver, state, artifact, ids, offsets)
@@ -100,7 +103,7 @@ def assemble_cache(
         keys, values = translate(maps, send_k, send_v, al.src.to(receiver.device), s.num_kv_heads, s.head_dim)
     with sw("assemble_s"):
         cache = runner.cache_from_pre_rope(receiver, keys, values, room) if ids.numel() else KVCache.empty(receiver)
-        if ids.numel():
+        if ids.numel() and native:
             fill_native(receiver, ids, cache, al.native)
     return cache, al
 
@@ -150,17 +153,26 @@ def relay_prefill(
             if ids.numel() == 0:
                 raise ValueError("nothing to run: the context text and the suffix are both empty")
             ids, offsets, suffix = ids[:-1], offsets[:-1], ids[-1:]
-    # room for the suffix and a short answer: neither copies the assembled cache into a larger one
-    cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw, suffix.numel() + KVCache.BLOCK)
+    # room for the suffix and a short answer: neither copies the assembled cache into a larger one.
+    # With recompute the sink and specials go into the recompute pass (select always includes them):
+    # one pass over the receiver's weights instead of two
+    recomputing = recompute > 0 and ids.numel() > 0
+    room = suffix.numel() + KVCache.BLOCK
+    cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw, room, native=not recomputing)
     picked = None
     model = artifact.quality.get("estimate")
     wanted = SIGNALS if signals == "all" else ((model or {}).get("signal"),) if trusts(model) else ()
-    if recompute > 0 and ids.numel():
+    if recomputing:
         with sw("select_s"):
             q = query if query is not None else receiver.tokenizer.decode(suffix)
             picked = select(receiver, selection, recompute, ids, offsets, state.text, q, cache, al.native)
-        with sw("recompute_s"):
-            _, measured = recompute_positions(receiver, ids, cache, picked.positions, attend, wanted)
+        measured: dict = {}
+        if not picked.positions.numel():  # a budget that rounds to no token: plain heterofold
+            with sw("assemble_s"):
+                fill_native(receiver, ids, cache, al.native)
+        else:
+            with sw("recompute_s"):
+                _, measured = recompute_positions(receiver, ids, cache, picked.positions, attend, wanted)
     if hide_translated > 0 and ids.numel():
         with sw("assemble_s"):
             cache.hide(translated_mask(ids.numel(), al.native, picked), hide_translated)
