@@ -63,8 +63,7 @@ def test_the_sink_is_native_whether_or_not_the_recompute_pass_computes_it(tiny_b
     tiny_f = relay_prefill(receiver, state, art, suffix, logits="all", recompute=1e-6, selection="recency")
     assert tiny_f.info["recomputed"] == 0 and (tiny_f.logits - plain.logits).abs().max() < TOL
     part = relay_prefill(receiver, state, art, suffix, recompute=0.2, selection="recency")
-    ids = context_ids(receiver, CONTEXT)
-    native = runner.forward(receiver, ids, logits="none").cache
+    native = _native(receiver, CONTEXT, suffix).cache
     for i in range(receiver.spec.num_layers):  # position 0 (the sink) attends only to itself: exactly native
         assert (part.cache.keys[i][:, :, 0] - native.keys[i][:, :, 0]).abs().max() < TOL
         assert (part.cache.values[i][:, :, 0] - native.values[i][:, :, 0]).abs().max() < TOL
