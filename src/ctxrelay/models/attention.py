@@ -25,7 +25,7 @@ class AttnCall:
     window: int | None  # sliding window (keys with q_pos - k_pos < window are visible)
     softcap: float | None
     positions: torch.Tensor | None = None  # [T] absolute query positions when not q_start.. in a row
-    key_mask: torch.Tensor | None = None  # [S] bool: keys these queries may see at all (None: every key)
+    key_mask: torch.Tensor | None = None  # [S] or per query [T, S] bool: keys a query may see at all (None: all)
 
     @property
     def query_positions(self) -> torch.Tensor:
@@ -70,7 +70,11 @@ def call_mask(c: AttnCall, rows: slice | None = None, keys: tuple[int, int] | No
     qpos = c.query_positions if rows is None else c.query_positions[rows]
     lo, hi = keys or (0, c.k.shape[2])
     mask = positions_mask(qpos, hi, c.window, lo)
-    return mask if c.key_mask is None else mask & c.key_mask[lo:hi].to(mask.device)[None, :]
+    if c.key_mask is None:
+        return mask
+    if c.key_mask.dim() == 1:
+        return mask & c.key_mask[lo:hi].to(mask.device)[None, :]
+    return mask & (c.key_mask if rows is None else c.key_mask[rows])[:, lo:hi].to(mask.device)
 
 
 def native_attention(c: AttnCall) -> torch.Tensor:

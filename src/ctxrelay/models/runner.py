@@ -45,9 +45,11 @@ class KVCache:
         self.hidden_layers = 0
 
     def hide(self, hidden: torch.Tensor, layers: int) -> None:
-        """Hide the entries where `hidden` ([length] bool) is True from every query that runs later, in
-        layers 0..layers-1 (heterofold: translated entries kept from the question and the answer in the
-        early layers, where they bent more than they told). layers=0 shows everything again."""
+        """Hide the entries where `hidden` ([length] bool) is True from every query past them (positions
+        >= length: what is appended and decoded later), in layers 0..layers-1 (heterofold: translated
+        entries kept from the question and the answer in the early layers, where they bent more than they
+        told). A query at one of the masked positions (recomputing it) is not affected. layers=0 shows
+        everything again."""
         if layers <= 0:
             self.hidden, self.hidden_layers = None, 0
             return
@@ -55,14 +57,19 @@ class KVCache:
             raise ValueError(f"hidden must be a bool mask of the cache's {self.length} positions")
         self.hidden, self.hidden_layers = hidden.to(torch.bool).clone(), int(layers)
 
-    def visible(self, n: int) -> torch.Tensor | None:
-        """[n] bool of the positions a query may see in the layers below hidden_layers (None: all)."""
+    def visible(self, n: int, qpos: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[n] bool of the positions a query may see in the layers below hidden_layers (None: all); with
+        the queries' positions `qpos` where some lie inside the hidden mask, [len(qpos), n] rows, those
+        queries' all True (a recomputed context token sees what it would without hiding)."""
         if self.hidden is None:
             return None
         vis = torch.ones(n, dtype=torch.bool, device=self.hidden.device)
         k = min(n, self.hidden.numel())
         vis[:k] = ~self.hidden[:k]
-        return vis
+        inside = None if qpos is None else (qpos < self.hidden.numel()).to(vis.device)
+        if inside is None or not bool(inside.any()):
+            return vis
+        return vis[None, :] | inside[:, None]
 
     @staticmethod
     def empty(m: LoadedModel, capacity: int = 0) -> KVCache:
@@ -291,7 +298,7 @@ def forward(
     `positions` ([T], optional) places the tokens at explicit, possibly scattered positions: their
     K/V are written there (over what the cache held) and each query attends by position, causally,
     to the whole cache (sliding windows by position too). Default: appended after the cache.
-    `key_mask` ([cache length after the call] bool, optional) hides the False keys from every query;
+    `key_mask` ([cache length after the call] bool, or [T, that] per query; optional) hides the False keys;
     entries the cache hides (KVCache.hide) are hidden too in the layers it hides them in.
     `attention` replaces the attention of chosen layers; `capture` records sender state.
     """
@@ -307,7 +314,7 @@ def forward(
     rope = rope_tables(m, rope_pos, h)
     attention = attention or {}
     # the key mask of the layers where the cache hides entries: one per call, not one per layer
-    early_mask, vis = key_mask, cache.visible(end)
+    early_mask, vis = key_mask, cache.visible(end, rope_pos)
     if vis is not None:
         early_mask = vis if key_mask is None else key_mask & vis.to(key_mask.device)
     for i in range(m.spec.num_layers):

@@ -10,7 +10,8 @@ from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state
 from ctxrelay.models.tokens import context_ids, suffix_ids, tokenize_context
 from ctxrelay.transports.heterofold import relay_prefill
-from ctxrelay.transports.heterofold.recompute import RULES, query_text, select, sentence_tokens
+from ctxrelay.transports.heterofold.recompute import RULES, query_text, recompute, select, sentence_tokens
+from ctxrelay.transports.heterofold.transfer import assemble_cache, translated_mask
 
 TOL = 1e-4
 FACT = "The access code for the Wrenfield server room is 4172."
@@ -67,6 +68,30 @@ def test_the_sink_is_native_whether_or_not_the_recompute_pass_computes_it(tiny_b
     for i in range(receiver.spec.num_layers):  # position 0 (the sink) attends only to itself: exactly native
         assert (part.cache.keys[i][:, :, 0] - native.keys[i][:, :, 0]).abs().max() < TOL
         assert (part.cache.values[i][:, :, 0] - native.values[i][:, :, 0]).abs().max() < TOL
+
+
+@pytest.mark.parametrize(("s", "r"), PAIRS)
+@pytest.mark.parametrize(("attend", "hide"), [("all", 0), ("all", 2), ("own", 2)])
+def test_the_suffix_in_the_recompute_pass_is_the_suffix_after_it(tiny_by_family, s, r, attend, hide):
+    """The relay runs the suffix in the recompute pass; the reference is the two passes one after the other
+    (recompute, then hide, then the suffix over the finished cache): same logits and cache."""
+    sender, receiver = tiny_by_family[s], tiny_by_family[r]
+    state = capture_state(sender, CONTEXT, "t")
+    suffix = suffix_ids(receiver, QUESTION)
+    art = zero_artifact(sender, receiver)
+    one = relay_prefill(receiver, state, art, suffix, logits="all", recompute=0.3, attend=attend, hide_translated=hide)
+    ids, offsets = tokenize_context(receiver, CONTEXT)
+    cache, al = assemble_cache(receiver, state, art, ids, offsets, native=False)
+    picked = select(receiver, "mix", 0.3, ids, offsets, CONTEXT, QUESTION, cache, al.native)
+    recompute(receiver, ids, cache, picked.positions, attend, ())
+    cache.hide(translated_mask(ids.numel(), al.native, picked), hide)
+    two = runner.forward(receiver, suffix, cache, logits="all")
+    assert one.info["recomputed"] == picked.positions.numel() > 0
+    assert (one.logits - two.logits).abs().max() < TOL
+    for i in range(receiver.spec.num_layers):
+        assert (one.cache.keys[i] - two.cache.keys[i]).abs().max() < TOL
+        assert (one.cache.values[i] - two.cache.values[i]).abs().max() < TOL
+    assert one.cache.hidden_layers == hide
 
 
 def test_partial_recompute_moves_toward_native_and_times_every_part(tiny_by_family):

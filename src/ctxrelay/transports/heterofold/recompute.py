@@ -293,12 +293,17 @@ def recompute(
     positions: torch.Tensor,
     attend: str = "all",
     signals: Collection[str] = SIGNALS,
+    suffix: torch.Tensor | None = None,
 ) -> tuple[runner.ForwardOut, dict]:
     """Overwrite the cache at `positions` with the receiver's own K/V, all layers, in one pass, and
     return cheap per-request signals of how close the result is to native (the estimate's inputs).
 
     attend="all": each recomputed query sees translated + recomputed entries before it;
     attend="own": only recomputed entries (and the native sink among them).
+    `suffix` (ids appended after the context) runs in the same pass, its rows last in the returned
+    hidden states: it sees the recomputed entries of each layer as a pass after this one would (they
+    sit before it and never attend to it), so the receiver's weights are read once, not twice; entries
+    the cache hides (KVCache.hide) are hidden from it, never from the recomputed queries.
     Signals: kv_change (relative change recompute made to the K/V at sampled layers), and where
     the context's last tokens were recomputed: tail_nll / tail_confidence (the receiver predicting
     them, teacher-forced) and translated_attention (the share of their attention that lands on
@@ -308,9 +313,13 @@ def recompute(
     if attend not in ("all", "own"):
         raise UsageError(f"recompute attend must be 'all' or 'own', not {attend!r}")
     t, n = ids.shape[0], positions.numel()
-    own = torch.zeros(cache.length, dtype=torch.bool)
+    extra = 0 if suffix is None else suffix.numel()
+    own = torch.zeros(t + extra, dtype=torch.bool)
     own[positions] = True
+    own[t:] = True  # the suffix's own entries
     key_mask = own if attend == "own" else None
+    if key_mask is not None and extra:  # the suffix sees every entry; only the recomputed queries are kept to their own
+        key_mask = torch.cat([own.expand(n, -1), torch.ones(extra, t + extra, dtype=torch.bool)])
     layers = sorted({round(i * (m.spec.num_layers - 1) / max(1, SIGNAL_LAYERS - 1)) for i in range(SIGNAL_LAYERS)})
     kept = layers if "kv_change" in signals else []
     before = {j: (cache.keys[j][:, :, positions].clone(), cache.values[j][:, :, positions].clone()) for j in kept}
@@ -326,9 +335,10 @@ def recompute(
         return native_attention(c)
 
     watched = dict.fromkeys(layers, watch) if "translated_attention" in signals else None
-    out = runner.forward(
-        m, ids[positions], cache, positions=positions, key_mask=key_mask, attention=watched, logits="none"
-    )
+    run_ids, run_pos = ids[positions], positions
+    if extra:
+        run_ids, run_pos = torch.cat([run_ids, suffix]), torch.cat([positions, torch.arange(t, t + extra)])
+    out = runner.forward(m, run_ids, cache, positions=run_pos, key_mask=key_mask, attention=watched, logits="none")
     measured: dict = {}
     change = []
     for j, (k0, v0) in before.items():

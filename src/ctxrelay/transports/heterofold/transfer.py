@@ -166,19 +166,26 @@ def relay_prefill(
         with sw("select_s"):
             q = query if query is not None else receiver.tokenizer.decode(suffix)
             picked = select(receiver, selection, recompute, ids, offsets, state.text, q, cache, al.native)
-        measured: dict = {}
         if not picked.positions.numel():  # a budget that rounds to no token: plain heterofold
             with sw("assemble_s"):
                 fill_native(receiver, ids, cache, al.native)
-        else:
-            with sw("recompute_s"):
-                _, measured = recompute_positions(receiver, ids, cache, picked.positions, attend, wanted)
-    if hide_translated > 0 and ids.numel():
+    if hide_translated > 0 and ids.numel():  # hidden from the suffix and later tokens, not from recomputed ones
         with sw("assemble_s"):
             cache.hide(translated_mask(ids.numel(), al.native, picked), hide_translated)
-    with sw("first_token_s"):
-        out = runner.forward(receiver, suffix, cache, logits=logits)
-        first = int(out.logits[-1].argmax())
+    measured: dict = {}
+    if picked is not None and picked.positions.numel():
+        # the suffix runs in the recompute pass (one read of the receiver's weights, not two): recompute_s
+        # holds the suffix's rows, first_token_s the LM head
+        with sw("recompute_s"):
+            out, measured = recompute_positions(receiver, ids, cache, picked.positions, attend, wanted, suffix)
+        with sw("first_token_s"):
+            hidden = out.hidden[:, -suffix.numel() :]
+            out = runner.ForwardOut(runner.head(receiver, hidden, logits), out.cache, hidden)
+            first = int(out.logits[-1].argmax())
+    else:
+        with sw("first_token_s"):
+            out = runner.forward(receiver, suffix, cache, logits=logits)
+            first = int(out.logits[-1].argmax())
     info = {
         "method": artifact.params.get("method", ""),
         "pairing": artifact.params.get("pairing", "ta"),
