@@ -60,7 +60,9 @@ MIN_ESTIMATE_RHO = 0.5
 
 @dataclass
 class Selection:
-    positions: torch.Tensor  # sorted receiver positions to recompute (native positions included)
+    # sorted receiver positions to recompute, the native ones (sink, specials) among them; none where the
+    # budget rounds to no token (the relay is then plain heterofold: transfer.relay_prefill)
+    positions: torch.Tensor
     rule: str
     info: dict = field(default_factory=dict)
 
