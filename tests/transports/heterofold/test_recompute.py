@@ -79,7 +79,8 @@ def test_the_suffix_in_the_recompute_pass_is_the_suffix_after_it(tiny_by_family,
     state = capture_state(sender, CONTEXT, "t")
     suffix = suffix_ids(receiver, QUESTION)
     art = zero_artifact(sender, receiver)
-    one = relay_prefill(receiver, state, art, suffix, logits="all", recompute=0.3, attend=attend, hide_translated=hide)
+    one = relay_prefill(receiver, state, art, suffix, logits="all", recompute=0.3, query=QUESTION, attend=attend,
+                        hide_translated=hide)  # fmt: skip
     ids, offsets = tokenize_context(receiver, CONTEXT)
     cache, al = assemble_cache(receiver, state, art, ids, offsets, native=False)
     picked = select(receiver, "mix", 0.3, ids, offsets, CONTEXT, QUESTION, cache, al.native)

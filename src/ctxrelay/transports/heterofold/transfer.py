@@ -173,19 +173,19 @@ def relay_prefill(
         with sw("assemble_s"):
             cache.hide(translated_mask(ids.numel(), al.native, picked), hide_translated)
     measured: dict = {}
-    if picked is not None and picked.positions.numel():
-        # the suffix runs in the recompute pass (one read of the receiver's weights, not two): recompute_s
-        # holds the suffix's rows, first_token_s the LM head
+    # with recompute the suffix runs in the recompute pass (one read of the receiver's weights, not two):
+    # recompute_s holds the suffix's rows, first_token_s the LM head
+    merged = picked is not None and picked.positions.numel() > 0
+    if merged:
         with sw("recompute_s"):
             out, measured = recompute_positions(receiver, ids, cache, picked.positions, attend, wanted, suffix)
-        with sw("first_token_s"):
+    with sw("first_token_s"):
+        if merged:
             hidden = out.hidden[:, -suffix.numel() :]
             out = runner.ForwardOut(runner.head(receiver, hidden, logits), out.cache, hidden)
-            first = int(out.logits[-1].argmax())
-    else:
-        with sw("first_token_s"):
+        else:
             out = runner.forward(receiver, suffix, cache, logits=logits)
-            first = int(out.logits[-1].argmax())
+        first = int(out.logits[-1].argmax())
     info = {
         "method": artifact.params.get("method", ""),
         "pairing": artifact.params.get("pairing", "ta"),
