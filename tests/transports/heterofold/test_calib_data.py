@@ -78,3 +78,31 @@ def test_recompute_stage_at_a_second_length_keeps_the_first(tiny_by_family, monk
     calib_data._add_recompute_stage(s, r, art, hidden, "hidden")
     assert {x["tokens"] for x in art.params["recompute_stage"]["rows"]} == {64}
     assert art.params["recompute_stage"]["hide_layers"] == 1 and art.quality["recompute"][0]["hide_translated"] == 1
+
+
+def test_keep_stage_drops_the_other_fractions_everywhere_the_gate_reads(tiny_by_family, tmp_path):
+    from conftest import zero_artifact
+    from ctxrelay.artifact import Artifact
+    from ctxrelay.transports.heterofold import transport
+
+    art = zero_artifact(tiny_by_family["llama"], tiny_by_family["qwen2"])
+    fracs = (0.1, 0.15, 0.2)
+    rows = [{"f": f, "top1_agreement": 0.8 + 0.01 * i + f / 10, "tail_confidence": 0.3 + 0.02 * i, "kv_change": 0.5}
+            for f in fracs for i in range(6)]  # fmt: skip
+    art.params["recompute_stage"] = {"rows": rows, "rule": "mix"}
+    art.quality["recompute"] = [{"f": f, "selection": "mix", "top1_agreement": 0.8 + f} for f in fracs]
+    art.quality["facts"] = [{"f": f, "fact_recall": 0.9, "kept": 9, "native_right": 10} for f in (0.0, *fracs)]
+    art.params["facts_stage"] = {"rows": [{"f": f, "case": 0} for f in (0.0, *fracs)]}
+    path = art.save(tmp_path / "a.safetensors")
+    calib_data.calibrate_job("a", "b", out=str(path), options={"stage": "keep", "fractions": "0.15,0.2"}, command="k")
+    kept = Artifact.load(path)
+    assert [q["f"] for q in kept.quality["recompute"]] == [0.15, 0.2]
+    assert [q["f"] for q in kept.quality["facts"]] == [0.0, 0.15, 0.2]  # plain translation's recall stays
+    assert {x["f"] for x in kept.params["recompute_stage"]["rows"]} == {0.15, 0.2}
+    assert [x["f"] for x in kept.params["facts_stage"]["rows"]] == [0.0, 0.15, 0.2]
+    assert set(kept.quality["estimate"]["centres"]) == {"0.15", "0.2"}
+    assert kept.params["recompute_stage"]["keep_command"] == "k"
+    labels = [p["options"].get("recompute") for p in transport.operating_points(kept.params, kept.quality)]
+    assert 0.1 not in labels and 0.15 in labels
+    with pytest.raises(UsageError, match=r"it has \[0.15, 0.2\]"):  # a fraction never measured is refused
+        calib_data.calibrate_job("a", "b", out=str(path), options={"stage": "keep", "fractions": "0.1"})

@@ -119,7 +119,8 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
     path); the returned path is heterofold's. heterofold's artifact then gets the faithful mode's stage
     (quality per recompute fraction, the per-request estimate) and the fact-recall stage (facts.py);
     stage=recompute or stage=facts runs only that stage on the direction's existing artifact (--out,
-    else the packaged or user artifact) and rewrites it.
+    else the packaged or user artifact) and rewrites it; stage=refit refits the estimate from the stored
+    rows and stage=keep --set fractions=... keeps only those fractions as operating points (no model runs).
     """
     from ctxrelay import zoo
     from ctxrelay.transports import heterofold
@@ -134,11 +135,14 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
         known = ", ".join(heterofold.METHODS)
         raise UsageError(f"unknown heterofold method(s) {bad}: use all, or a comma list of {known}")
     stage = cal_opts.pop("stage", "all")
-    if stage not in ("all", "recompute", "facts", "refit"):
-        raise UsageError(f"unknown heterofold calibration stage {stage!r}: use all, recompute, facts or refit")
+    if stage not in ("all", "recompute", "facts", "refit", "keep"):
+        raise UsageError(f"unknown heterofold calibration stage {stage!r}: use all, recompute, facts, refit or keep")
     command = command or _command(sender, receiver, options)
     if stage == "refit":  # the estimate again from the recompute stage's stored rows (no model runs)
         return _refit(Path(out) if out else find_artifact(sender, receiver), command)
+    if stage == "keep":  # only the listed fractions stay operating points (no model runs)
+        fracs = [float(f) for f in str(data_opts["fractions"]).split(",") if f]
+        return _keep(Path(out) if out else find_artifact(sender, receiver), fracs, command)
     s, r = zoo.load(sender), zoo.load(receiver)
     path = None
     if stage in ("recompute", "facts"):
@@ -176,6 +180,37 @@ def _refit(path: Path, command: str) -> Path:
         raise UsageError(f"{path} has no recompute stage to refit: run --set stage=recompute first")
     art.quality["estimate"] = estimate_entry(stage["rows"], stage.get("rule", "mix"))
     stage["refit_command"] = command
+    art.save(path)
+    return path
+
+
+def _keep(path: Path, fractions: list[float], command: str) -> Path:
+    """Drop every recompute fraction but `fractions` from the table, the stored rows and the fact
+    stage (f = 0, plain translation, stays), then refit the estimate: the gate can no longer serve a
+    dropped point (e.g. one that failed a held-out check the calibration texts did not catch)."""
+    from ctxrelay.transports import heterofold
+    from ctxrelay.transports.heterofold.faithful import estimate_entry
+
+    art = Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
+    stage = art.params.get("recompute_stage")
+    if not stage:
+        raise UsageError(f"{path} has no recompute stage to keep fractions of: run --set stage=recompute first")
+    have = sorted({round(float(q["f"]), 6) for q in art.quality.get("recompute", [])})
+    want = {round(f, 6) for f in fractions}
+    if not want or want - set(have):
+        raise UsageError(f"--set fractions= must list fractions the recompute stage measured: it has {have}")
+
+    def kept(x: dict) -> bool:
+        return round(float(x["f"]), 6) in want
+
+    art.quality["recompute"] = [q for q in art.quality["recompute"] if kept(q)]
+    stage["rows"] = [x for x in stage["rows"] if kept(x)]
+    if "facts" in art.quality:
+        art.quality["facts"] = [q for q in art.quality["facts"] if q["f"] == 0 or kept(q)]
+        facts_stage = art.params.get("facts_stage") or {}
+        facts_stage["rows"] = [x for x in facts_stage.get("rows", []) if x["f"] == 0 or kept(x)]
+    art.quality["estimate"] = estimate_entry(stage["rows"], stage.get("rule", "mix"))
+    stage["keep_command"] = command
     art.save(path)
     return path
 
