@@ -106,3 +106,5 @@ def test_keep_stage_drops_the_other_fractions_everywhere_the_gate_reads(tiny_by_
     assert 0.1 not in labels and 0.15 in labels
     with pytest.raises(UsageError, match=r"it has \[0.15, 0.2\]"):  # a fraction never measured is refused
         calib_data.calibrate_job("a", "b", out=str(path), options={"stage": "keep", "fractions": "0.1"})
+    with pytest.raises(UsageError, match="needs --set fractions"):  # never the defaults by accident
+        calib_data.calibrate_job("a", "b", out=str(path), options={"stage": "keep"})

@@ -141,6 +141,8 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
     if stage == "refit":  # the estimate again from the recompute stage's stored rows (no model runs)
         return _refit(Path(out) if out else find_artifact(sender, receiver), command)
     if stage == "keep":  # only the listed fractions stay operating points (no model runs)
+        if "fractions" not in (options or {}):
+            raise UsageError("stage=keep needs --set fractions=F1,F2,...: the fractions to keep as operating points")
         fracs = [float(f) for f in str(data_opts["fractions"]).split(",") if f]
         return _keep(Path(out) if out else find_artifact(sender, receiver), fracs, command)
     s, r = zoo.load(sender), zoo.load(receiver)
