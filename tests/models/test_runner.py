@@ -239,8 +239,10 @@ def test_hidden_entries_are_invisible_in_early_layers_to_every_later_token(tiny)
     plain = runner.forward(tiny, suffix, cache.clone(), logits="all").logits
     assert (plain - ref).abs().max() < TOL
     out = runner.forward(tiny, suffix, cache, logits="all").logits
+    after = cache.clone()  # cloned past the mask (the question appended): a decode from the copy hides too
     nxt = runner.forward(tiny, ids[:1], cache).logits  # a decoded token: hidden from it too
     assert (out - ref).abs().max() < TOL and (nxt - ref_next).abs().max() < TOL
+    assert (runner.forward(tiny, ids[:1], after).logits - ref_next).abs().max() < TOL
     seen = runner.forward(tiny, suffix, runner.forward(tiny, ctx, logits="none").cache, logits="all").logits
     assert (seen - ref).abs().max() > 1e-3  # the hidden entries did matter
     cache.hide(hidden, 0)

@@ -122,8 +122,8 @@ class KVCache:
 
     def clone(self) -> KVCache:
         out = KVCache([k.clone() for k in self.keys], [v.clone() for v in self.values])
-        if self.hidden is not None:
-            out.hide(self.hidden[: self.length], self.hidden_layers)
+        if self.hidden is not None:  # the mask as held: shorter than length once a question is appended
+            out.hidden, out.hidden_layers = self.hidden[: self.length].clone(), self.hidden_layers
         return out
 
     def nbytes(self) -> int:
