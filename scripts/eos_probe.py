@@ -54,15 +54,15 @@ def main(sender: str, receiver: str, lengths: list[int], f: float, hides: list[i
             "tokens": case.length,
             "f": f,
         }
-        for mask in (False, True):
-            pre = runner.forward(r, context_ids(r, case.context), logits="none")
-            qo = runner.forward(r, q, pre.cache, logits="last")
-            ways = {"native": (qo.cache, qo.logits[-1])}
-            for k in hides:
-                o = relay_prefill(r, state, art, q, recompute=f, selection="mix", hide_translated=k)
-                ways[f"relay_hide{k}"] = (o.cache, o.logits[-1])
+        pre = runner.forward(r, context_ids(r, case.context), logits="none")
+        qo = runner.forward(r, q, pre.cache, logits="last")
+        ways = {"native": (qo.cache, qo.logits[-1])}
+        for k in hides:
+            o = relay_prefill(r, state, art, q, recompute=f, selection="mix", hide_translated=k)
+            ways[f"relay_hide{k}"] = (o.cache, o.logits[-1])
+        for mask in (False, True):  # each prefill once; each decode from its own copy of the cache
             for name, (cache, logits) in ways.items():
-                text, p_eos = answer(r, cache, logits, eos, mask, n_answer)
+                text, p_eos = answer(r, cache.clone(), logits, eos, mask, n_answer)
                 key = name + ("_eos_masked" if mask else "")
                 row[key] = {"right": score_answer(text, case.answer)["exact"], "p_eos": p_eos, "answer": text}
         shown = {k: (v["right"], round(v["p_eos"], 3)) if isinstance(v, dict) else v for k, v in row.items()}
