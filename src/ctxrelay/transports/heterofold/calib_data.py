@@ -144,7 +144,7 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
         if "fractions" not in (options or {}):
             raise UsageError("stage=keep needs --set fractions=F1,F2,...: the fractions to keep as operating points")
         fracs = [float(f) for f in str(data_opts["fractions"]).split(",") if f]
-        return _keep(Path(out) if out else find_artifact(sender, receiver), fracs, command)
+        return _refit(Path(out) if out else find_artifact(sender, receiver), command, keep=fracs)
     s, r = zoo.load(sender), zoo.load(receiver)
     path = None
     if stage in ("recompute", "facts"):
@@ -172,31 +172,29 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
     return path
 
 
-def _refit(path: Path, command: str) -> Path:
+def _refit(path: Path, command: str, keep: list[float] | None = None) -> Path:
+    """The estimate refitted from the recompute stage's stored rows (no model runs); with `keep`, first
+    drop every recompute fraction but those (stage=keep, `_drop_fractions`)."""
     from ctxrelay.transports import heterofold
     from ctxrelay.transports.heterofold.faithful import estimate_entry
 
     art = Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
     stage = art.params.get("recompute_stage")
     if not stage:
-        raise UsageError(f"{path} has no recompute stage to refit: run --set stage=recompute first")
+        what = "refit" if keep is None else "keep fractions of"
+        raise UsageError(f"{path} has no recompute stage to {what}: run --set stage=recompute first")
+    if keep is not None:
+        _drop_fractions(art, stage, keep)
     art.quality["estimate"] = estimate_entry(stage["rows"], stage.get("rule", "mix"))
-    stage["refit_command"] = command
+    stage["refit_command" if keep is None else "keep_command"] = command
     art.save(path)
     return path
 
 
-def _keep(path: Path, fractions: list[float], command: str) -> Path:
+def _drop_fractions(art: Artifact, stage: dict, fractions: list[float]) -> None:
     """Drop every recompute fraction but `fractions` from the table, the stored rows and the fact
-    stage (f = 0, plain translation, stays), then refit the estimate: the gate can no longer serve a
-    dropped point (e.g. one that failed a held-out check the calibration texts did not catch)."""
-    from ctxrelay.transports import heterofold
-    from ctxrelay.transports.heterofold.faithful import estimate_entry
-
-    art = Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
-    stage = art.params.get("recompute_stage")
-    if not stage:
-        raise UsageError(f"{path} has no recompute stage to keep fractions of: run --set stage=recompute first")
+    stage (f = 0, plain translation, stays): the gate can no longer serve a dropped point (e.g. one
+    that failed a held-out check the calibration texts did not catch)."""
     have = sorted({round(float(q["f"]), 6) for q in art.quality.get("recompute", [])})
     want = {round(f, 6) for f in fractions}
     if not want or want - set(have):
@@ -211,10 +209,6 @@ def _keep(path: Path, fractions: list[float], command: str) -> Path:
         art.quality["facts"] = [q for q in art.quality["facts"] if q["f"] == 0 or kept(q)]
         facts_stage = art.params.get("facts_stage") or {}
         facts_stage["rows"] = [x for x in facts_stage.get("rows", []) if x["f"] == 0 or kept(x)]
-    art.quality["estimate"] = estimate_entry(stage["rows"], stage.get("rule", "mix"))
-    stage["keep_command"] = command
-    art.save(path)
-    return path
 
 
 def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
