@@ -203,10 +203,8 @@ def _points(params: dict, quality: dict) -> list[dict]:
     """An artifact's recompute points as the gate sees them (the transport's operating points: the fact
     stage's fields at each f, per-length quality where the stage ran at several lengths), by f."""
     from ctxrelay.transports.heterofold import transport
-    from ctxrelay.transports.heterofold.facts import facts_at
 
-    points = [p["quality"] for p in transport.operating_points(params, quality) if p["options"]]
-    return [{**p, **facts_at(quality, p["f"], ("cases",))} for p in points]
+    return [p["quality"] for p in transport.operating_points(params, quality) if p["options"]]
 
 
 def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, threshold: float) -> dict:
@@ -342,15 +340,15 @@ def calibrated_points(artifacts: dict, threshold: float) -> list[dict]:
     the artifact's recompute table: calibrated top-1, the fact stage's counts, and whether the point
     passes the gate's quality checks at `threshold` (before cost) for requests of that length."""
     from ctxrelay.relay.gate import quality_at, quality_refusal
-    from ctxrelay.transports.heterofold.recompute import row_tokens
 
     out = []
     for (s, r), (params, q) in sorted(artifacts.items()):
         for p in _points(params, q):
-            counts = {k: p[k] for k in ("cases", "native_right", "kept", "fact_recall") if p.get(k) is not None}
-            for n in [x["tokens"] for x in p.get("by_tokens", [])] or [row_tokens(p)]:
+            hide = {"hide_translated": p["hide_translated"]} if p.get("hide_translated") else {}
+            for n in [x["tokens"] for x in p.get("by_tokens", [])] or [p["tokens"]]:
                 at = quality_at(p, n)
-                out.append({"sender": s, "receiver": r, "f": p["f"], "tokens": n,
+                counts = {k: at[k] for k in ("cases", "native_right", "kept", "fact_recall") if at.get(k) is not None}
+                out.append({"sender": s, "receiver": r, "f": p["f"], **hide, "tokens": n,
                             "top1_agreement": at["top1_agreement"],
                             "passes": quality_refusal(at, threshold) is None, **counts})  # fmt: skip
     return out

@@ -193,7 +193,15 @@ def quality_at(quality: dict, n_tokens: int) -> dict:
     around n_tokens (the nearest one outside their range: no extrapolation), the estimates are those of
     the nearest length, and "at_tokens" says which lengths decided. Quality can fall with length (into
     qwen-0.5b, top-1 at f = 0.3: 0.86 at 2048 tokens, lower at 4096), so a point judged at one length
-    only would pass requests it serves worse."""
+    only would pass requests it serves worse. A point measured at fewer lengths than its artifact's other
+    points (quality["serves_tokens"]: [shortest, longest) request) is out of its range beyond the middle
+    towards a length it was not measured at: "outside" says so and quality_refusal refuses it."""
+    lo, hi = quality.get("serves_tokens") or (None, None)
+    if (lo is not None and n_tokens < lo) or (hi is not None and n_tokens >= hi):
+        at = sorted(x["tokens"] for x in quality.get("by_tokens") or []) or [quality.get("tokens")]
+        span = f"{lo}+" if hi is None else f"under {hi}" if lo is None else f"{lo}-{hi - 1}"
+        where = " and ".join(str(x) for x in at)
+        return {**quality, "outside": f"measured at {where} tokens, it serves requests of {span} tokens"}
     levels = {x["tokens"]: x for x in quality.get("by_tokens") or []}
     if not levels:
         return quality
@@ -210,6 +218,10 @@ def quality_at(quality: dict, n_tokens: int) -> dict:
 def quality_refusal(quality: dict, threshold: float) -> str | None:
     """Why a point's calibrated quality fails the threshold (top-1 agreement, and fact recall where the
     point records it), or None."""
+    if "outside" in quality:
+        return f"not calibrated for this request's length ({quality['outside']})"
+    if quality.get("facts_missing"):
+        return "the artifact's fact stage did not measure this point (run its --set stage=facts)"
     q = quality.get("top1_agreement")
     if q is None:
         return "artifact records no calibrated top-1 agreement"

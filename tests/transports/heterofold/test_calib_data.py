@@ -74,10 +74,70 @@ def test_recompute_stage_at_a_second_length_keeps_the_first(tiny_by_family, monk
     other = {**opts, "recompute_tokens": 128, "rule": "recency"}  # another rule: the other lengths are dropped
     calib_data._add_recompute_stage(s, r, art, other, "recency")
     assert {x["tokens"] for x in art.params["recompute_stage"]["rows"]} == {128}
-    hidden = {**opts, "recompute_tokens": 64, "rule": "recency", "hide_layers": 1}  # measured another way too
+    hidden = {**opts, "recompute_tokens": 64, "rule": "recency", "hide_layers": 1}  # another setting: kept beside
     calib_data._add_recompute_stage(s, r, art, hidden, "hidden")
-    assert {x["tokens"] for x in art.params["recompute_stage"]["rows"]} == {64}
-    assert art.params["recompute_stage"]["hide_layers"] == 1 and art.quality["recompute"][0]["hide_translated"] == 1
+    stage = art.params["recompute_stage"]
+    assert sorted((x["tokens"], x.get("hide_translated", 0)) for x in stage["rows"]) == [(64, 1)] * 5 + [(128, 0)] * 5
+    assert stage["hide_layers"] == 1 and {k: v["command"] for k, v in stage["lengths"].items()} == {
+        "128": "recency",
+        "64+hide1": "hidden",
+    }
+
+
+def test_points_measured_with_other_hiding_at_other_lengths_serve_their_own_lengths(tiny_by_family, monkeypatch):
+    """A point that hides only at the long length and one that does not hide at the short length are two
+    operating points; each serves the requests nearest the length it was measured at, with its own
+    fact recall, and the gate refuses it elsewhere with a reason."""
+    from conftest import SAMPLE_TEXT, zero_artifact
+    from ctxrelay.relay.gate import quality_at, quality_refusal
+    from ctxrelay.transports.heterofold import transport
+
+    words = SAMPLE_TEXT.split()
+    texts = {n: [" ".join(words[i:] + words[:i]) * (n // 64) for i in range(0, 15, 5)] for n in (64, 128)}
+    monkeypatch.setattr(calib_data, "recompute_texts", lambda tok, opts: texts[int(opts["recompute_tokens"])])
+    s, r = tiny_by_family["llama"], tiny_by_family["gemma3"]
+    art = zero_artifact(s, r)
+    opts = {**calib_data.RECOMPUTE_DEFAULTS, "fractions": "0.2"}
+    calib_data._add_recompute_stage(s, r, art, {**opts, "recompute_tokens": 64}, "plain at 64")
+    calib_data._add_recompute_stage(s, r, art, {**opts, "recompute_tokens": 128, "hide_layers": 1}, "hiding at 128")
+    fact = {"selection": "mix", "cases": 8, "native_right": 8}
+    art.quality["facts"] = [
+        {"f": 0.0, "tokens": 64, **fact, "kept": 0, "fact_recall": 0.0},
+        {"f": 0.2, "tokens": 64, **fact, "kept": 8, "fact_recall": 1.0},
+        {"f": 0.2, "tokens": 128, "hide_translated": 1, **fact, "kept": 6, "fact_recall": 0.75},
+    ]
+    for q in art.quality["recompute"]:
+        q["top1_agreement"] = 0.9  # both pass top-1; fact recall and length decide
+    points = {p["label"]: p for p in transport.operating_points(art.params, art.quality)}
+    plain, hiding = points["f=0.20 mix"], points["f=0.20 mix hide1"]
+    assert hiding["options"] == {"recompute": 0.2, "selection": "mix", "hide_translated": 1}
+    assert plain["quality"]["serves_tokens"] == [None, 91] and hiding["quality"]["serves_tokens"] == [91, None]
+    assert quality_refusal(quality_at(plain["quality"], 64), 0.85) is None
+    assert "measured at 64 tokens, it serves requests of under 91" in quality_refusal(
+        quality_at(plain["quality"], 100), 0.85
+    )
+    assert "requests of 91+ tokens" in quality_refusal(quality_at(hiding["quality"], 90), 0.85)
+    assert "fact recall 0.75 (6/8 facts)" in quality_refusal(quality_at(hiding["quality"], 128), 0.85)
+    art.quality["facts"] = art.quality["facts"][:2]  # the fact stage never measured the hiding point
+    points = {p["label"]: p for p in transport.operating_points(art.params, art.quality)}
+    assert "did not measure this point" in quality_refusal(quality_at(points["f=0.20 mix hide1"]["quality"], 128), 0.85)
+
+
+def test_facts_stage_at_another_length_and_hiding_keeps_the_others(tiny_by_family, own_cache):
+    from conftest import zero_artifact
+
+    s, r = tiny_by_family["llama"], tiny_by_family["gemma3"]
+    art = zero_artifact(s, r)
+    opts = {**calib_data.FACTS_DEFAULTS, "rule": "mix", "fractions": "1.0", "facts_cases": 2, "facts_new_tokens": 4}
+    calib_data._add_facts_stage(s, r, art, {**opts, "facts_tokens": 160}, "plain at 160", hide=0)
+    calib_data._add_facts_stage(s, r, art, {**opts, "facts_tokens": 256}, "hiding at 256", hide=1)
+    calib_data._add_facts_stage(s, r, art, {**opts, "facts_tokens": 160, "facts_cases": 3}, "plain again", hide=0)
+    settings = [(e["f"], e["tokens"], e.get("hide_translated", 0), e["cases"]) for e in art.quality["facts"]]
+    assert settings == [(0.0, 160, 0, 3), (1.0, 160, 0, 3), (0.0, 256, 0, 2), (1.0, 256, 1, 2)]  # by hiding, length
+    stage = art.params["facts_stage"]
+    assert len(stage["rows"]) == 2 * 2 + 3 * 2  # the first run's rows were replaced by the third's
+    assert [run["command"] for run in stage["runs"]] == ["hiding at 256", "plain again"]
+    assert all(r["answer"] == r["native_answer"] for r in stage["rows"] if r["f"] == 1.0)  # f = 1 is native
 
 
 def test_keep_stage_drops_the_other_fractions_everywhere_the_gate_reads(tiny_by_family, tmp_path):

@@ -25,10 +25,25 @@ def test_fact_table_counts_kept_facts_among_native_right_ones():
         {"f": 0.0, "native_right": 0, "relay_right": 0},
     ]
     table = fact_table(rows, "mix")
-    assert table[0] == {"f": 0.0, "selection": "mix", "cases": 1, "native_right": 0, "kept": 0, "fact_recall": None}
+    assert table[0] == {"f": 0.0, "selection": "mix", "tokens": 2048, "hide_translated": 0, "cases": 1,
+                        "native_right": 0, "kept": 0, "fact_recall": None}  # fmt: skip
     assert table[1]["native_right"] == 2 and table[1]["kept"] == 1 and table[1]["fact_recall"] == 0.5
-    assert facts_at({"facts": table}, 0.2) == {"fact_recall": 0.5, "native_right": 2, "kept": 1}
+    assert facts_at({"facts": table}, 0.2) == {"fact_recall": 0.5, "native_right": 2, "kept": 1, "cases": 3}
     assert facts_at({}, 0.2) == {}
+
+
+def test_facts_at_reads_the_points_own_hiding_at_the_nearest_measured_length():
+    def entry(f, tokens, hide, kept):
+        return {"f": f, "tokens": tokens, **({"hide_translated": hide} if hide else {}), "kept": kept}
+
+    q = {"facts": [entry(0.0, 2048, 0, 0), entry(0.2, 2048, 0, 13), entry(0.2, 2048, 12, 11), entry(0.2, 4096, 12, 14)]}
+    assert facts_at(q, 0.2, ("kept",)) == {"kept": 13}  # not hiding: the one measured without
+    assert facts_at(q, 0.2, ("kept",), tokens=4096, hide=12) == {"kept": 14}
+    assert facts_at(q, 0.2, ("kept",), tokens=2800, hide=12) == {"kept": 11}  # nearer 2048 in log-length
+    assert facts_at(q, 0.2, ("kept",), hide=12) == {"kept": 11}  # no length: the shortest
+    assert facts_at(q, 0.2, ("kept",), tokens=4096) == {"kept": 13}  # the nearest of its own hiding
+    assert facts_at(q, 0.0, ("kept",), hide=12) == {"kept": 0}  # plain translation never hides
+    assert facts_at(q, 0.2, ("kept",), hide=6) == {}
 
 
 def test_calibration_facts_are_never_the_benchmark_facts():

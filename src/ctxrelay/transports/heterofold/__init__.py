@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ctxrelay.transports.base import Transport
 from ctxrelay.transports.heterofold.calibrate import METHODS, CalibConfig, calibrate
-from ctxrelay.transports.heterofold.facts import facts_at
-from ctxrelay.transports.heterofold.recompute import calibrated_estimates, row_tokens
+from ctxrelay.transports.heterofold.facts import facts_at, stage_facts
+from ctxrelay.transports.heterofold.recompute import calibrated_estimates, serving_span, with_setting
 from ctxrelay.transports.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, identity_artifact, relay_prefill
 
 
@@ -23,33 +23,42 @@ class Heterofold(Transport):
     color = "tab:orange"
 
     def operating_points(self, params: dict, quality: dict) -> list[dict]:
-        """Plain translation, then each recompute fraction the artifact's faithful stage measured; each
-        with its fact recall where the fact stage measured it (the gate checks both) and, where the gate
-        acts on the per-request estimate, what it estimated for each calibration text at that f (the
-        share it would refuse is a relay paid before native prefill: the gate counts that cost). A
-        fraction measured at several context lengths lists each under "by_tokens" (the gate reads the
-        request's length: relay.gate.quality_at); its top-level fields are the shortest length's."""
-        points = [{"label": "", "options": {}, "quality": {**quality, **facts_at(quality, 0.0)}}]
-        rows = (params.get("recompute_stage") or {}).get("rows", [])
+        """Plain translation, then each (recompute fraction, rule, hiding) the artifact's faithful stage
+        measured; each with its fact recall where the fact stage measured it (the gate checks both) and,
+        where the gate acts on the per-request estimate, what it estimated for each calibration text at
+        that f (the share it would refuse is a relay paid before native prefill: the gate counts that
+        cost). A point measured at several context lengths lists each under "by_tokens" with that
+        length's fact recall (the gate reads the request's length: relay.gate.quality_at); its top-level
+        fields are the shortest length's. A point measured at fewer lengths than the artifact's others
+        (e.g. hiding only at 4096 tokens) serves only the requests nearest its lengths ("serves_tokens")."""
+        stage = params.get("recompute_stage") or {}
+        facts = {"facts": stage_facts(params.get("facts_stage") or {}, quality.get("facts", []))}
+        points = [{"label": "", "options": {}, "quality": {**quality, **facts_at(facts, 0.0)}}]
+        rows = with_setting(stage, stage.get("rows", []))
+        table = [q for q in with_setting(stage, quality.get("recompute", [])) if q["f"] > 0]
         model = quality.get("estimate")
-        by_f: dict[tuple, list[dict]] = {}
-        for q in quality.get("recompute", []):
-            if q["f"] > 0:
-                by_f.setdefault((q["f"], q["selection"]), []).append(q)
-        for (f, rule), levels in sorted(by_f.items()):
-            levels = sorted(levels, key=row_tokens)
-            ests = [calibrated_estimates(model, rows, f, row_tokens(q)) for q in levels]
-            point_q = {**levels[0], **facts_at(quality, f), **({"calibrated_estimates": ests[0]} if ests[0] else {})}
+        lengths = sorted({q["tokens"] for q in table})
+        by_point: dict[tuple, list[dict]] = {}
+        for q in table:
+            by_point.setdefault((q["f"], q["selection"], int(q.get("hide_translated", 0))), []).append(q)
+        for (f, rule, hide), levels in sorted(by_point.items()):
+            levels = sorted(levels, key=lambda q: q["tokens"])
+            ests = [calibrated_estimates(model, rows, f, q["tokens"], hide) for q in levels]
+            kept = [facts_at(facts, f, tokens=q["tokens"], hide=hide) for q in levels]
+            point_q = {**levels[0], **kept[0], **({"calibrated_estimates": ests[0]} if ests[0] else {})}
+            if quality.get("facts") and not kept[0]:
+                point_q["facts_missing"] = True  # the stage ran, not at this point: the gate refuses it
             if len(levels) > 1:
                 point_q["by_tokens"] = [
-                    {"tokens": row_tokens(q), "top1_agreement": q["top1_agreement"], "calibrated_estimates": e}
-                    for q, e in zip(levels, ests, strict=True)
+                    {"tokens": q["tokens"], "top1_agreement": q["top1_agreement"], "calibrated_estimates": e, **k}
+                    for q, e, k in zip(levels, ests, kept, strict=True)
                 ]
-            options = {"recompute": f, "selection": rule}
-            hide = int(levels[0].get("hide_translated", 0))  # the stage measured the point with it
-            if hide:
-                options["hide_translated"] = hide
-            points.append({"label": f"f={f:.2f} {rule}", "options": options, "quality": point_q})
+            span = serving_span(lengths, [q["tokens"] for q in levels])
+            if span != [None, None]:
+                point_q["serves_tokens"] = span
+            options = {"recompute": f, "selection": rule, **({"hide_translated": hide} if hide else {})}
+            label = f"f={f:.2f} {rule}" + (f" hide{hide}" if hide else "")
+            points.append({"label": label, "options": options, "quality": point_q})
         return points
 
     def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):

@@ -152,7 +152,11 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
         if not path.exists():
             raise UsageError(f"no heterofold artifact at {path} to add the {stage} stage to: calibrate it first")
         art = Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
-        (_add_recompute_stage if stage == "recompute" else _add_facts_stage)(s, r, art, data_opts, command)
+        if stage == "recompute":
+            _add_recompute_stage(s, r, art, data_opts, command)
+        else:  # hiding as the recompute stage's last run unless --set hide_layers says (0 included)
+            given = int(options["hide_layers"]) if "hide_layers" in (options or {}) else None
+            _add_facts_stage(s, r, art, data_opts, command, hide=given)
         art.save(path)
         return path
     train, held = calibration_texts(data_opts)
@@ -212,46 +216,96 @@ def _drop_fractions(art: Artifact, stage: dict, fractions: list[float]) -> None:
 
 
 def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
-    """The faithful stage at opts["recompute_tokens"]. It replaces what the stage measured at that
-    length and keeps what it measured at others with the same rule (each length's command is kept),
-    so `--set recompute_tokens=4096` after the default 2048 calibrates the gate at both lengths."""
+    """The faithful stage at opts["recompute_tokens"] with opts["hide_layers"]. It replaces what the
+    stage measured at that length with that hiding and keeps the rest measured with the same rule (each
+    run's command is kept): `--set recompute_tokens=4096` after the default 2048 calibrates the gate at
+    both lengths, and `--set hide_layers=12 --set recompute_tokens=4096` adds points that hide beside
+    points that do not (each is an operating point of its own, served where it was measured)."""
     from ctxrelay.transports.heterofold.faithful import calibrate_recompute, estimate_entry
-    from ctxrelay.transports.heterofold.recompute import row_tokens
+    from ctxrelay.transports.heterofold.recompute import with_setting
 
     n, rule, hide = int(opts["recompute_tokens"]), str(opts["rule"]), int(opts["hide_layers"])
     fracs = [float(f) for f in str(opts["fractions"]).split(",") if f]
     old = art.params.get("recompute_stage") or {}
-    same_way = old.get("rule", "mix") == rule and int(old.get("hide_layers", 0)) == hide  # rule and hiding
-    old_n = int(old.get("recompute_tokens", RECOMPUTE_DEFAULTS["recompute_tokens"]))
+    same_rule = old.get("rule", "mix") == rule
 
     def keep(x: dict) -> bool:
-        return same_way and row_tokens(x, old_n) != n
+        return same_rule and (x["tokens"], int(x.get("hide_translated", 0))) != (n, hide)
 
-    rows = [{**x, "tokens": row_tokens(x, old_n)} for x in old.get("rows", []) if keep(x)]
-    table = [{**q, "tokens": row_tokens(q, old_n)} for q in art.quality.get("recompute", []) if keep(q)]
-    runs = {k: v for k, v in (old.get("lengths") or {str(old_n): {"command": old.get("command")}}).items()
-            if same_way and int(k) != n and v.get("command")}  # fmt: skip
+    rows = [x for x in with_setting(old, old.get("rows", [])) if keep(x)]
+    table = [q for q in with_setting(old, art.quality.get("recompute", [])) if keep(q)]
+    runs = [v for v in _recompute_runs(old) if same_rule and _run_key(v) != _run_key({**opts, "recompute_tokens": n})]
     res = calibrate_recompute(s, r, art, recompute_texts(r.tokenizer, opts), fracs, rule, tokens=n, hide=hide)
     rows += res["recompute_rows"]
-    table = sorted(table + res["recompute"], key=lambda q: (q["tokens"], q["f"]))
+    table = sorted(table + res["recompute"], key=lambda q: (int(q.get("hide_translated", 0)), q["tokens"], q["f"]))
     art.quality.update(recompute=table, estimate=estimate_entry(rows, rule))
-    runs[str(n)] = {"command": command, **{k: opts[k] for k in RECOMPUTE_DEFAULTS}}
+    runs.append({"command": command, **{k: opts[k] for k in RECOMPUTE_DEFAULTS}})
+    runs.sort(key=lambda v: (int(v["hide_layers"]), int(v["recompute_tokens"])))
     art.params["recompute_stage"] = {"command": command, "rows": rows, **{k: opts[k] for k in RECOMPUTE_DEFAULTS},
-                                     "lengths": dict(sorted(runs.items(), key=lambda kv: int(kv[0])))}  # fmt: skip
+                                     "lengths": {_run_key(v): v for v in runs}}  # fmt: skip
 
 
-def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
-    """Fact recall at the points the gate serves: with the recompute stage's hide_layers unless opts set one."""
-    from ctxrelay.transports.heterofold.facts import calibrate_facts
+def _recompute_runs(stage: dict) -> list[dict]:
+    """Each run of the recompute stage with its length and hiding (older stages kept one per length)."""
+    if not stage:
+        return []
+    n, hide = stage.get("recompute_tokens", RECOMPUTE_DEFAULTS["recompute_tokens"]), stage.get("hide_layers", 0)
+    runs = stage.get("lengths") or {str(n): {"command": stage.get("command")}}
+    return [{**v, "recompute_tokens": int(v.get("recompute_tokens", k.split("+")[0])),
+             "hide_layers": int(v.get("hide_layers", hide))} for k, v in runs.items() if v.get("command")]  # fmt: skip
+
+
+def _run_key(run: dict) -> str:
+    n, hide = int(run["recompute_tokens"]), int(run["hide_layers"])
+    return f"{n}+hide{hide}" if hide else str(n)
+
+
+def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str, hide: int | None = None) -> None:
+    """Fact recall at the points the gate serves, at opts["facts_tokens"], hiding `hide` layers (default:
+    the recompute stage's last run). It replaces the entries measured at that length with that hiding
+    for these fractions (and f = 0) and keeps the others, so a point that hides at 4096 tokens gets its
+    own fact check beside one that does not hide at 2048."""
+    from ctxrelay.transports.heterofold.facts import calibrate_facts, stage_facts
 
     fracs = [0.0] + [float(f) for f in str(opts["fractions"]).split(",") if f]
-    hide = int(opts["hide_layers"]) or int((art.params.get("recompute_stage") or {}).get("hide_layers", 0))
-    res = calibrate_facts(s, r, art, fracs, str(opts["rule"]), cases=int(opts["facts_cases"]),
-                          tokens=int(opts["facts_tokens"]), new_tokens=int(opts["facts_new_tokens"]),
-                          root=paths.work_dir("heterofold", "states"), hide=hide)  # fmt: skip
-    art.quality["facts"] = res["facts"]
-    art.params["facts_stage"] = {"command": command, "rows": res["rows"], "rule": str(opts["rule"]),
-                                 "hide_layers": hide, **{k: opts[k] for k in FACTS_DEFAULTS}}  # fmt: skip
+    if hide is None:
+        hide = int((art.params.get("recompute_stage") or {}).get("hide_layers", 0))
+    n = int(opts["facts_tokens"])
+    old = art.params.get("facts_stage") or {}
+    res = calibrate_facts(s, r, art, fracs, str(opts["rule"]), cases=int(opts["facts_cases"]), tokens=n,
+                          new_tokens=int(opts["facts_new_tokens"]), root=paths.work_dir("heterofold", "states"),
+                          hide=hide)  # fmt: skip
+    new = {(n, hide if f else 0, round(f, 6)) for f in fracs}
+
+    def keep(x: dict) -> bool:
+        return (x["tokens"], int(x.get("hide_translated", 0)), round(float(x["f"]), 6)) not in new
+
+    entries = [e for e in stage_facts(old, art.quality.get("facts", [])) if keep(e)] + res["facts"]
+    rows = [x for x in stage_facts(old, old.get("rows", [])) if keep(x)]
+    runs = [v for v in _facts_runs(old, art.quality.get("facts", [])) if not _replaced(v, n, hide, fracs)]
+    runs.append({"command": command, "hide_layers": hide, "fractions": str(opts["fractions"]),
+                 **{k: opts[k] for k in FACTS_DEFAULTS}})  # fmt: skip
+    art.quality["facts"] = sorted(entries, key=lambda e: (int(e.get("hide_translated", 0)), e["tokens"], e["f"]))
+    art.params["facts_stage"] = {"command": command, "rows": rows + res["rows"], "rule": str(opts["rule"]),
+                                 "hide_layers": hide, **{k: opts[k] for k in FACTS_DEFAULTS}, "runs": runs}  # fmt: skip
+
+
+def _facts_runs(stage: dict, entries: list[dict]) -> list[dict]:
+    """Each run of the fact stage (older stages were one run, described by the stage's own fields and
+    the fractions of its entries)."""
+    if not stage:
+        return []
+    one = {k: stage[k] for k in ("command", "hide_layers", *FACTS_DEFAULTS) if k in stage}
+    one["fractions"] = ",".join(str(e["f"]) for e in entries if e["f"])
+    return list(stage.get("runs") or [one])
+
+
+def _replaced(run: dict, tokens: int, hide: int, fractions: list[float]) -> bool:
+    """Whether a new run at (tokens, hide) over `fractions` re-measured everything `run` measured."""
+    at = int(run.get("facts_tokens", FACTS_DEFAULTS["facts_tokens"])), int(run.get("hide_layers", 0))
+    same = at == (tokens, hide)
+    had = {round(float(f), 6) for f in str(run.get("fractions", "")).split(",") if f}
+    return same and had <= {round(f, 6) for f in fractions}
 
 
 def _command(sender: str, receiver: str, options: dict | None) -> str:

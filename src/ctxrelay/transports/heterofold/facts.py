@@ -10,13 +10,18 @@ On calibration-only facts (data.needle.CALIBRATION_NEEDLES, never asked by the b
 demo) hidden in training-split essays at three depths: the sender reads the context, with the
 question inside it on even cases (the demo's way: the sender read everything) and without it on odd
 ones (a new turn appended as the receiver's suffix); the receiver answers natively and relayed at
-every fraction f; answers are greedy, scored with score_answer. Per f the artifact records
-  quality["facts"]: [{"f", "selection", "cases", "native_right", "kept", "fact_recall"}]
-with fact_recall = kept / native_right (None where native answered none).
+every fraction f; answers are greedy, scored with score_answer. Per f, context length and hiding the
+artifact records
+  quality["facts"]: [{"f", "selection", "tokens", "hide_translated", "cases", "native_right", "kept",
+                      "fact_recall"}]
+with fact_recall = kept / native_right (None where native answered none). Runs at other lengths or with
+other hiding add entries beside these (calib_data._add_facts_stage); the gate reads the entry of each
+point's own hiding at the length nearest the request (facts_at).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -34,7 +39,7 @@ from ctxrelay.transports.heterofold import data
 from ctxrelay.transports.heterofold.transfer import relay_prefill
 
 DEPTHS = (0.2, 0.5, 0.8)
-FACT_FIELDS = ("fact_recall", "native_right", "kept")  # what an operating point's quality gains from here
+FACT_FIELDS = ("fact_recall", "native_right", "kept", "cases")  # what an operating point's quality gains from here
 
 
 def calibration_cases(tokenizer, n: int, tokens: int) -> list:
@@ -96,27 +101,55 @@ def calibrate_facts(
             kw = {"recompute": f, "selection": rule, "query": case.question, "hide_translated": hide if f else 0}
             out = relay_prefill(receiver, state, artifact, q, **kw)
             answer = _answer(receiver, out.cache, out.logits, new_tokens)
-            rows.append({"case": i, "f": f, "question_inside": inside, "native_right": native_right,
+            rows.append({"case": i, "f": f, "tokens": tokens, "hide_translated": hide if f else 0,
+                         "question_inside": inside, "native_right": native_right,
                          "relay_right": score_answer(answer, case.answer)["exact"], "answer": answer,
                          "native_answer": native})  # fmt: skip
-    return {"facts": fact_table(rows, rule, hide), "rows": rows}
+    return {"facts": fact_table(rows, rule, hide, tokens), "rows": rows}
 
 
-def fact_table(rows: list[dict], rule: str, hide: int = 0) -> list[dict]:
+def fact_table(rows: list[dict], rule: str, hide: int = 0, tokens: int = 2048) -> list[dict]:
+    """Per f: cases, native right, kept; f = 0 (plain translation) never hides."""
     table = []
     for f in sorted({r["f"] for r in rows}):
         part = [r for r in rows if r["f"] == f]
         right = sum(r["native_right"] for r in part)
         kept = sum(r["native_right"] and r["relay_right"] for r in part)
-        table.append({"f": f, "selection": rule, "cases": len(part), "native_right": right, "kept": kept,
-                      "fact_recall": kept / right if right else None,
-                      **({"hide_translated": hide} if hide else {})})  # fmt: skip
+        table.append({"f": f, "selection": rule, "tokens": tokens, "hide_translated": hide if f else 0,
+                      "cases": len(part), "native_right": right, "kept": kept,
+                      "fact_recall": kept / right if right else None})  # fmt: skip
     return table
 
 
-def facts_at(quality: dict, f: float, fields: tuple[str, ...] = FACT_FIELDS) -> dict:
-    """`fields` of the stage's entry at fraction f (empty where the stage did not run)."""
-    for e in quality.get("facts", []):
-        if abs(float(e["f"]) - f) < 1e-9:
-            return {k: e[k] for k in fields}
-    return {}
+def fact_setting(entry: dict, tokens: int = 2048, hide: int = 0) -> tuple[int, int]:
+    """(context length, hidden layers) a fact entry or row was measured with; entries made before the
+    stage ran at several settings carry neither and were made at the stage's (`tokens`, `hide`)."""
+    h = int(entry.get("hide_translated", hide)) if entry["f"] else 0
+    return int(entry.get("tokens", tokens)), h
+
+
+def stage_facts(stage: dict, entries: list[dict]) -> list[dict]:
+    """Fact entries or rows of a fact stage with their length and hiding explicit (older ones take the
+    stage's own)."""
+    n, hide = int((stage or {}).get("facts_tokens", 2048)), int((stage or {}).get("hide_layers", 0))
+    out = []
+    for e in entries:
+        t, h = fact_setting(e, n, hide)
+        rest = {k: v for k, v in e.items() if k != "hide_translated"}
+        out.append({**rest, "tokens": t, "hide_translated": h})
+    return out
+
+
+def facts_at(
+    quality: dict, f: float, fields: tuple[str, ...] = FACT_FIELDS, tokens: int | None = None, hide: int = 0
+) -> dict:
+    """`fields` of the stage's entry at fraction f measured with `hide` hidden layers (f = 0 never
+    hides), at the measured length nearest `tokens` in log-length (the shortest when None); empty
+    where the stage measured no such entry."""
+    want = hide if f else 0
+    found = [e for e in quality.get("facts", []) if abs(float(e["f"]) - f) < 1e-9 and fact_setting(e)[1] == want]
+    if not found:
+        return {}
+    n = tokens or min(fact_setting(e)[0] for e in found)
+    e = min(found, key=lambda e: (abs(math.log(fact_setting(e)[0] / n)), fact_setting(e)[0]))
+    return {k: e[k] for k in fields if k in e}

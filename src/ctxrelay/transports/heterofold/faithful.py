@@ -121,12 +121,13 @@ def calibrate_recompute(
             lp = torch.log_softmax(out.logits[:-1].float(), -1)
             pooled.add(it.native_logprobs, lp, it.suffix[1:])
             agree = float(position_agreement(it.native_logprobs, lp).mean())
-            row = {"text": i, "f": f, "tokens": tokens, "top1_agreement": agree}
+            row = {"text": i, "f": f, "tokens": tokens, "hide_translated": hide if f else 0}
+            row["top1_agreement"] = agree
             row.update({k: out.info[k] for k in SIGNALS if k in out.info})
             row["recompute_fraction"] = out.info.get("recompute_fraction", 0.0)
             rows.append(row)
         res = pooled.result(heldout.HORIZONS)
-        hidden = {"hide_translated": hide} if hide else {}
+        hidden = {"hide_translated": hide if f else 0}
         table.append({"f": f, "selection": rule, "tokens": tokens, **hidden, **res, "texts": len(items)})
     return {"recompute": table, "estimate": estimate_entry(rows, rule), "recompute_rows": rows}
 

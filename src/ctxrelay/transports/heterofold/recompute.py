@@ -27,6 +27,7 @@ answers need and the recent tokens are what continuation agreement needs, so mix
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -262,13 +263,16 @@ def _centre_at(lengths: dict, f: float, n: int) -> tuple[float, float]:
     return (1 - w) * ca[0] + w * cb[0], (1 - w) * ca[1] + w * cb[1]
 
 
-def calibrated_estimates(model: dict | None, rows: list[dict], f: float, tokens: int | None = None) -> list[float]:
+def calibrated_estimates(
+    model: dict | None, rows: list[dict], f: float, tokens: int | None = None, hide: int | None = None
+) -> list[float]:
     """What a trusted estimate said of each calibration text at fraction f (the recompute stage's rows;
-    only those calibrated at `tokens` context tokens when given); empty where the gate does not act on
-    the estimate."""
+    only those calibrated at `tokens` context tokens and with `hide` hidden layers when given); empty
+    where the gate does not act on the estimate."""
     if not trusts(model):
         return []
     part = [r for r in rows if abs(float(r["f"]) - f) < 1e-9 and (tokens is None or row_tokens(r) == tokens)]
+    part = [r for r in part if hide is None or int(r.get("hide_translated", 0)) == hide]
     ests = (estimate(model, {**r, "requested_fraction": f, "context_tokens": row_tokens(r)}) for r in part)
     return [e for e in ests if e is not None]
 
@@ -277,6 +281,30 @@ def row_tokens(row: dict, default: int = 2048) -> int:
     """The context length a recompute-stage row (or table entry) was calibrated at; rows made before the
     stage ran at several lengths carry none and were made at the stage's default, 2048."""
     return int(row.get("tokens", default))
+
+
+def with_setting(stage: dict, entries: list[dict]) -> list[dict]:
+    """Recompute-stage rows or table entries with the length and hiding they were measured at made
+    explicit ("tokens", "hide_translated"; f = 0 never hides). Entries made before the stage kept several
+    settings may carry neither and were measured at the stage's own; newer ones carry both."""
+    n = int((stage or {}).get("recompute_tokens", 2048))
+    hide = int((stage or {}).get("hide_layers", 0))
+    out = []
+    for x in entries:
+        h = int(x.get("hide_translated", hide)) if x["f"] else 0
+        rest = {k: v for k, v in x.items() if k != "hide_translated"}
+        out.append({**rest, "tokens": row_tokens(x, n), "hide_translated": h})
+    return out
+
+
+def serving_span(lengths: list[int], measured: list[int]) -> list[int | None]:
+    """[shortest, longest) request length a point measured at `measured` (of the artifact's calibrated
+    `lengths`) may serve: up to the geometric middle towards the next calibrated length it was not
+    measured at (where the gate's nearest-length rule would read another length), None: unbounded."""
+    lo_i, hi_i = lengths.index(min(measured)), lengths.index(max(measured))
+    lo = math.isqrt(lengths[lo_i - 1] * lengths[lo_i]) + 1 if lo_i > 0 else None
+    hi = math.isqrt(lengths[hi_i] * lengths[hi_i + 1]) + 1 if hi_i < len(lengths) - 1 else None
+    return [lo, hi]
 
 
 def trusts(model: dict | None) -> bool:
