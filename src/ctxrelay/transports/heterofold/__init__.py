@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ctxrelay.transports.base import Transport
 from ctxrelay.transports.heterofold.calibrate import METHODS, CalibConfig, calibrate
-from ctxrelay.transports.heterofold.facts import facts_at, stage_facts
-from ctxrelay.transports.heterofold.recompute import calibrated_estimates, serving_span, with_setting
+from ctxrelay.transports.heterofold.facts import facts_at
+from ctxrelay.transports.heterofold.recompute import calibrated_estimates, serving_span, stage_setting, with_setting
 from ctxrelay.transports.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, identity_artifact, relay_prefill
 
 
@@ -32,10 +32,11 @@ class Heterofold(Transport):
         fields are the shortest length's. A point measured at fewer lengths than the artifact's others
         (e.g. hiding only at 4096 tokens) serves only the requests nearest its lengths ("serves_tokens")."""
         stage = params.get("recompute_stage") or {}
-        facts = {"facts": stage_facts(params.get("facts_stage") or {}, quality.get("facts", []))}
+        fact_stage = stage_setting(params.get("facts_stage"), "facts_tokens")
+        facts = {"facts": with_setting(quality.get("facts", []), *fact_stage)}
         points = [{"label": "", "options": {}, "quality": {**quality, **facts_at(facts, 0.0)}}]
-        rows = with_setting(stage, stage.get("rows", []))
-        table = [q for q in with_setting(stage, quality.get("recompute", [])) if q["f"] > 0]
+        rows = with_setting(stage.get("rows", []), *stage_setting(stage))
+        table = [q for q in with_setting(quality.get("recompute", []), *stage_setting(stage)) if q["f"] > 0]
         model = quality.get("estimate")
         lengths = sorted({q["tokens"] for q in table})
         by_point: dict[tuple, list[dict]] = {}

@@ -119,8 +119,10 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
     path); the returned path is heterofold's. heterofold's artifact then gets the faithful mode's stage
     (quality per recompute fraction, the per-request estimate) and the fact-recall stage (facts.py);
     stage=recompute or stage=facts runs only that stage on the direction's existing artifact (--out,
-    else the packaged or user artifact) and rewrites it; stage=refit refits the estimate from the stored
-    rows and stage=keep --set fractions=... keeps only those fractions as operating points (no model runs).
+    else the packaged or user artifact) and rewrites it (a run at another length or hide_layers adds
+    its measurements beside the others', a run at the same replaces them); stage=refit refits the
+    estimate from the stored rows and stage=keep --set fractions=... keeps only those fractions as
+    operating points (no model runs).
     """
     from ctxrelay import zoo
     from ctxrelay.transports import heterofold
@@ -222,7 +224,7 @@ def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
     both lengths, and `--set hide_layers=12 --set recompute_tokens=4096` adds points that hide beside
     points that do not (each is an operating point of its own, served where it was measured)."""
     from ctxrelay.transports.heterofold.faithful import calibrate_recompute, estimate_entry
-    from ctxrelay.transports.heterofold.recompute import with_setting
+    from ctxrelay.transports.heterofold.recompute import stage_setting, with_setting
 
     n, rule, hide = int(opts["recompute_tokens"]), str(opts["rule"]), int(opts["hide_layers"])
     fracs = [float(f) for f in str(opts["fractions"]).split(",") if f]
@@ -230,19 +232,24 @@ def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
     same_rule = old.get("rule", "mix") == rule
 
     def keep(x: dict) -> bool:
-        return same_rule and (x["tokens"], int(x.get("hide_translated", 0))) != (n, hide)
+        return same_rule and (x["tokens"], x["hide_translated"]) != (n, hide)
 
-    rows = [x for x in with_setting(old, old.get("rows", [])) if keep(x)]
-    table = [q for q in with_setting(old, art.quality.get("recompute", [])) if keep(q)]
+    rows = [x for x in with_setting(old.get("rows", []), *stage_setting(old)) if keep(x)]
+    table = [q for q in with_setting(art.quality.get("recompute", []), *stage_setting(old)) if keep(q)]
     runs = [v for v in _recompute_runs(old) if same_rule and _run_key(v) != _run_key({**opts, "recompute_tokens": n})]
     res = calibrate_recompute(s, r, art, recompute_texts(r.tokenizer, opts), fracs, rule, tokens=n, hide=hide)
     rows += res["recompute_rows"]
-    table = sorted(table + res["recompute"], key=lambda q: (int(q.get("hide_translated", 0)), q["tokens"], q["f"]))
+    table = sorted(table + res["recompute"], key=_by_setting)
     art.quality.update(recompute=table, estimate=estimate_entry(rows, rule))
     runs.append({"command": command, **{k: opts[k] for k in RECOMPUTE_DEFAULTS}})
     runs.sort(key=lambda v: (int(v["hide_layers"]), int(v["recompute_tokens"])))
     art.params["recompute_stage"] = {"command": command, "rows": rows, **{k: opts[k] for k in RECOMPUTE_DEFAULTS},
                                      "lengths": {_run_key(v): v for v in runs}}  # fmt: skip
+
+
+def _by_setting(entry: dict) -> tuple:
+    """Table order: by hiding, then length, then f."""
+    return int(entry.get("hide_translated", 0)), entry["tokens"], entry["f"]
 
 
 def _recompute_runs(stage: dict) -> list[dict]:
@@ -265,7 +272,8 @@ def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str, hide: int | 
     the recompute stage's last run). It replaces the entries measured at that length with that hiding
     for these fractions (and f = 0) and keeps the others, so a point that hides at 4096 tokens gets its
     own fact check beside one that does not hide at 2048."""
-    from ctxrelay.transports.heterofold.facts import calibrate_facts, stage_facts
+    from ctxrelay.transports.heterofold.facts import calibrate_facts
+    from ctxrelay.transports.heterofold.recompute import stage_setting, with_setting
 
     fracs = [0.0] + [float(f) for f in str(opts["fractions"]).split(",") if f]
     if hide is None:
@@ -278,14 +286,14 @@ def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str, hide: int | 
     new = {(n, hide if f else 0, round(f, 6)) for f in fracs}
 
     def keep(x: dict) -> bool:
-        return (x["tokens"], int(x.get("hide_translated", 0)), round(float(x["f"]), 6)) not in new
+        return (x["tokens"], x["hide_translated"], round(float(x["f"]), 6)) not in new
 
-    entries = [e for e in stage_facts(old, art.quality.get("facts", [])) if keep(e)] + res["facts"]
-    rows = [x for x in stage_facts(old, old.get("rows", [])) if keep(x)]
+    entries = [e for e in with_setting(art.quality.get("facts", []), *stage_setting(old, "facts_tokens")) if keep(e)]
+    rows = [x for x in with_setting(old.get("rows", []), *stage_setting(old, "facts_tokens")) if keep(x)]
     runs = [v for v in _facts_runs(old, art.quality.get("facts", [])) if not _replaced(v, n, hide, fracs)]
     runs.append({"command": command, "hide_layers": hide, "fractions": str(opts["fractions"]),
                  **{k: opts[k] for k in FACTS_DEFAULTS}})  # fmt: skip
-    art.quality["facts"] = sorted(entries, key=lambda e: (int(e.get("hide_translated", 0)), e["tokens"], e["f"]))
+    art.quality["facts"] = sorted(entries + res["facts"], key=_by_setting)
     art.params["facts_stage"] = {"command": command, "rows": rows + res["rows"], "rule": str(opts["rule"]),
                                  "hide_layers": hide, **{k: opts[k] for k in FACTS_DEFAULTS}, "runs": runs}  # fmt: skip
 

@@ -36,6 +36,7 @@ from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.state import Binding, ContextState
 from ctxrelay.transports.heterofold import data
+from ctxrelay.transports.heterofold.recompute import with_setting
 from ctxrelay.transports.heterofold.transfer import relay_prefill
 
 DEPTHS = (0.2, 0.5, 0.8)
@@ -121,35 +122,16 @@ def fact_table(rows: list[dict], rule: str, hide: int = 0, tokens: int = 2048) -
     return table
 
 
-def fact_setting(entry: dict, tokens: int = 2048, hide: int = 0) -> tuple[int, int]:
-    """(context length, hidden layers) a fact entry or row was measured with; entries made before the
-    stage ran at several settings carry neither and were made at the stage's (`tokens`, `hide`)."""
-    h = int(entry.get("hide_translated", hide)) if entry["f"] else 0
-    return int(entry.get("tokens", tokens)), h
-
-
-def stage_facts(stage: dict, entries: list[dict]) -> list[dict]:
-    """Fact entries or rows of a fact stage with their length and hiding explicit (older ones take the
-    stage's own)."""
-    n, hide = int((stage or {}).get("facts_tokens", 2048)), int((stage or {}).get("hide_layers", 0))
-    out = []
-    for e in entries:
-        t, h = fact_setting(e, n, hide)
-        rest = {k: v for k, v in e.items() if k != "hide_translated"}
-        out.append({**rest, "tokens": t, "hide_translated": h})
-    return out
-
-
 def facts_at(
     quality: dict, f: float, fields: tuple[str, ...] = FACT_FIELDS, tokens: int | None = None, hide: int = 0
 ) -> dict:
     """`fields` of the stage's entry at fraction f measured with `hide` hidden layers (f = 0 never
     hides), at the measured length nearest `tokens` in log-length (the shortest when None); empty
     where the stage measured no such entry."""
-    want = hide if f else 0
-    found = [e for e in quality.get("facts", []) if abs(float(e["f"]) - f) < 1e-9 and fact_setting(e)[1] == want]
+    found = [e for e in with_setting(quality.get("facts", []), 2048, 0) if abs(float(e["f"]) - f) < 1e-9]
+    found = [e for e in found if e["hide_translated"] == (hide if f else 0)]
     if not found:
         return {}
-    n = tokens or min(fact_setting(e)[0] for e in found)
-    e = min(found, key=lambda e: (abs(math.log(fact_setting(e)[0] / n)), fact_setting(e)[0]))
+    n = tokens or min(e["tokens"] for e in found)
+    e = min(found, key=lambda e: (abs(math.log(e["tokens"] / n)), e["tokens"]))
     return {k: e[k] for k in fields if k in e}

@@ -283,18 +283,22 @@ def row_tokens(row: dict, default: int = 2048) -> int:
     return int(row.get("tokens", default))
 
 
-def with_setting(stage: dict, entries: list[dict]) -> list[dict]:
-    """Recompute-stage rows or table entries with the length and hiding they were measured at made
-    explicit ("tokens", "hide_translated"; f = 0 never hides). Entries made before the stage kept several
-    settings may carry neither and were measured at the stage's own; newer ones carry both."""
-    n = int((stage or {}).get("recompute_tokens", 2048))
-    hide = int((stage or {}).get("hide_layers", 0))
+def with_setting(entries: list[dict], tokens: int, hide: int) -> list[dict]:
+    """Stage rows or table entries (recompute or fact stage) with the context length and hiding they
+    were measured at made explicit ("tokens", "hide_translated"; f = 0 never hides). Entries made
+    before a stage kept several settings may carry neither: they were measured at the stage's own
+    (`tokens`, `hide`: stage_setting)."""
     out = []
     for x in entries:
         h = int(x.get("hide_translated", hide)) if x["f"] else 0
         rest = {k: v for k, v in x.items() if k != "hide_translated"}
-        out.append({**rest, "tokens": row_tokens(x, n), "hide_translated": h})
+        out.append({**rest, "tokens": row_tokens(x, tokens), "hide_translated": h})
     return out
+
+
+def stage_setting(stage: dict | None, tokens_key: str = "recompute_tokens") -> tuple[int, int]:
+    """(tokens, hidden layers) of a stage's last run: what its older entries were measured at."""
+    return int((stage or {}).get(tokens_key, 2048)), int((stage or {}).get("hide_layers", 0))
 
 
 def serving_span(lengths: list[int], measured: list[int]) -> list[int | None]:
