@@ -50,18 +50,23 @@ def test_refit_stage_refits_the_estimate_from_the_stored_rows(tiny_by_family, tm
         )
 
 
+def _stage_setup(tiny_by_family, monkeypatch, texts: int):
+    """llama -> gemma3 tiny models, an artifact, and `texts` recompute texts of 64 and 128 tokens."""
+    from conftest import SAMPLE_TEXT, zero_artifact
+
+    words = SAMPLE_TEXT.split()
+    by_n = {n: [" ".join(words[i:] + words[:i]) * (n // 64) for i in range(0, 5 * texts, 5)] for n in (64, 128)}
+    monkeypatch.setattr(calib_data, "recompute_texts", lambda tok, opts: by_n[int(opts["recompute_tokens"])])
+    s, r = tiny_by_family["llama"], tiny_by_family["gemma3"]
+    return s, r, zero_artifact(s, r), {**calib_data.RECOMPUTE_DEFAULTS, "fractions": "0.2"}
+
+
 def test_recompute_stage_at_a_second_length_keeps_the_first(tiny_by_family, monkeypatch):
     """`--set recompute_tokens=N` adds N's rows, table and command beside the other lengths' and
     replaces only N's: the gate then reads each request's length."""
-    from conftest import SAMPLE_TEXT, zero_artifact
     from ctxrelay.transports.heterofold import transport
 
-    words = SAMPLE_TEXT.split()
-    texts = {n: [" ".join(words[i:] + words[:i]) * (n // 64) for i in range(0, 25, 5)] for n in (64, 128)}
-    monkeypatch.setattr(calib_data, "recompute_texts", lambda tok, opts: texts[int(opts["recompute_tokens"])])
-    s, r = tiny_by_family["llama"], tiny_by_family["gemma3"]
-    art = zero_artifact(s, r)
-    opts = {**calib_data.RECOMPUTE_DEFAULTS, "fractions": "0.2"}
+    s, r, art, opts = _stage_setup(tiny_by_family, monkeypatch, texts=5)
     for n, cmd in ((64, "first"), (128, "second"), (64, "again")):
         calib_data._add_recompute_stage(s, r, art, {**opts, "recompute_tokens": n}, cmd)
     stage = art.params["recompute_stage"]
@@ -88,16 +93,10 @@ def test_points_measured_with_other_hiding_at_other_lengths_serve_their_own_leng
     """A point that hides only at the long length and one that does not hide at the short length are two
     operating points; each serves the requests nearest the length it was measured at, with its own
     fact recall, and the gate refuses it elsewhere with a reason."""
-    from conftest import SAMPLE_TEXT, zero_artifact
     from ctxrelay.relay.gate import quality_at, quality_refusal
     from ctxrelay.transports.heterofold import transport
 
-    words = SAMPLE_TEXT.split()
-    texts = {n: [" ".join(words[i:] + words[:i]) * (n // 64) for i in range(0, 15, 5)] for n in (64, 128)}
-    monkeypatch.setattr(calib_data, "recompute_texts", lambda tok, opts: texts[int(opts["recompute_tokens"])])
-    s, r = tiny_by_family["llama"], tiny_by_family["gemma3"]
-    art = zero_artifact(s, r)
-    opts = {**calib_data.RECOMPUTE_DEFAULTS, "fractions": "0.2"}
+    s, r, art, opts = _stage_setup(tiny_by_family, monkeypatch, texts=3)
     calib_data._add_recompute_stage(s, r, art, {**opts, "recompute_tokens": 64}, "plain at 64")
     calib_data._add_recompute_stage(s, r, art, {**opts, "recompute_tokens": 128, "hide_layers": 1}, "hiding at 128")
     fact = {"selection": "mix", "cases": 8, "native_right": 8}
