@@ -21,7 +21,6 @@ point's own hiding at the length nearest the request (facts_at).
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from tqdm import tqdm
 from ctxrelay.artifact import Artifact
 from ctxrelay.data.datasets import essay_haystack
 from ctxrelay.data.needle import CALIBRATION_NEEDLES, make_needle_case, score_answer
+from ctxrelay.metrics import log_length_weight
 from ctxrelay.models import runner
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
@@ -132,6 +132,7 @@ def facts_at(
     found = [e for e in found if e["hide_translated"] == (hide if f else 0)]
     if not found:
         return {}
-    n = tokens or min(e["tokens"] for e in found)
-    e = min(found, key=lambda e: (abs(math.log(e["tokens"] / n)), e["tokens"]))
+    lengths = {e["tokens"]: e for e in found}
+    a, b, w = log_length_weight(list(lengths), tokens or min(lengths))  # the gate's nearest-length rule
+    e = lengths[a if w <= 0.5 else b]
     return {k: e[k] for k in fields if k in e}

@@ -121,8 +121,8 @@ def calibrate_recompute(
             lp = torch.log_softmax(out.logits[:-1].float(), -1)
             pooled.add(it.native_logprobs, lp, it.suffix[1:])
             agree = float(position_agreement(it.native_logprobs, lp).mean())
-            row = {"text": i, "f": f, "tokens": tokens, "hide_translated": hide if f else 0}
-            row["top1_agreement"] = agree
+            row = {"text": i, "f": f, "tokens": tokens, "hide_translated": hide if f else 0,
+                   "top1_agreement": agree}  # fmt: skip
             row.update({k: out.info[k] for k in SIGNALS if k in out.info})
             row["recompute_fraction"] = out.info.get("recompute_fraction", 0.0)
             rows.append(row)
