@@ -17,6 +17,7 @@ from scipy.stats import spearmanr
 
 from ctxrelay import zoo
 from ctxrelay.artifact import Artifact
+from ctxrelay.bench.results import machine_facts
 from ctxrelay.data.datasets import conversation_haystack, essay_haystack
 from ctxrelay.metrics import position_agreement
 from ctxrelay.paths import find_artifact
@@ -48,7 +49,7 @@ def main(sender: str, receiver: str, tokens: int, f: float, k: int, essays: int,
             for a, b in ((0, k), (k, r.spec.num_layers), (0, r.spec.num_layers)):
                 pa, pb = lp[a][:m], lp[b][:m]
                 row[f"tv{m}_{a}_{b}"] = float(0.5 * (pa.exp() - pb.exp()).abs().sum(-1).mean())
-                row[f"dis{m}_{a}_{b}"] = float((pa.argmax(-1) != pb.argmax(-1)).float().mean())
+                row[f"dis{m}_{a}_{b}"] = 1.0 - float(position_agreement(pa, pb).mean())
         rows.append(row)
         print(json.dumps({key: round(v, 4) if isinstance(v, float) else v for key, v in row.items()}), flush=True)
     y = [x["top1"] for x in rows]
@@ -58,8 +59,9 @@ def main(sender: str, receiver: str, tokens: int, f: float, k: int, essays: int,
         print(f"{key}: Spearman with top-1 {v:.3f}")
     command = "python scripts/hide_gap_probe.py " + " ".join(sys.argv[1:])
     with open(out, "w") as fh:
-        json.dump({"command": command, "sender": sender, "receiver": receiver, "tokens": tokens, "f": f,
-                   "hide": k, "texts": len(rows), "spearman": rho, "rows": rows}, fh, indent=1)  # fmt: skip
+        json.dump({"command": command, "machine": machine_facts(), "sender": sender, "receiver": receiver,
+                   "tokens": tokens, "f": f, "hide": k, "texts": len(rows), "spearman": rho, "rows": rows},
+                  fh, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":
