@@ -5,8 +5,8 @@ A candidate per-request estimate (issue 11): it needs no native run, only the su
 hiding. Per text at one f: top-1 agreement of the relay at hide k over a 129-token continuation, and the total
 variation / argmax disagreement between the variants over the first m continuation rows; Spearman over texts.
 
-    python scripts/hide_gap_probe.py smollm2-135m gemma3-270m 2048 0.2 12 12 6 OUT.json
-    (sender, receiver, context tokens, f, k, essays, conversations, output)
+    python scripts/hide_gap_probe.py smollm2-135m gemma3-270m 2048 0.2 12 12 6 heterofold-hide-gap-probe
+    (sender, receiver, context tokens, f, k, essays, conversations, results name)
 """
 
 import json
@@ -17,7 +17,7 @@ from scipy.stats import spearmanr
 
 from ctxrelay import zoo
 from ctxrelay.artifact import Artifact
-from ctxrelay.bench.results import machine_facts
+from ctxrelay.bench.results import write_results
 from ctxrelay.data.datasets import conversation_haystack, essay_haystack
 from ctxrelay.metrics import position_agreement
 from ctxrelay.paths import find_artifact
@@ -43,7 +43,8 @@ def main(sender: str, receiver: str, tokens: int, f: float, k: int, essays: int,
             o = relay_prefill(r, it.state, art, it.suffix, logits="all", recompute=f, selection="mix", query="",
                               hide_translated=h)  # fmt: skip
             lp[h] = torch.log_softmax(o.logits[:-1].float(), -1)
-        row = {"text": i, "top1": float(position_agreement(it.native_logprobs, lp[k]).mean())}
+        top1 = float(position_agreement(it.native_logprobs, lp[k]).mean())
+        row = {"transport": "heterofold", "text": i, "top1": top1}
         row.update({f"top1_h{h}": float(position_agreement(it.native_logprobs, x).mean()) for h, x in lp.items()})
         for m in ROWS:
             for a, b in ((0, k), (k, r.spec.num_layers), (0, r.spec.num_layers)):
@@ -58,10 +59,9 @@ def main(sender: str, receiver: str, tokens: int, f: float, k: int, essays: int,
     for key, v in rho.items():
         print(f"{key}: Spearman with top-1 {v:.3f}")
     command = "python scripts/hide_gap_probe.py " + " ".join(sys.argv[1:])
-    with open(out, "w") as fh:
-        json.dump({"command": command, "machine": machine_facts(), "sender": sender, "receiver": receiver,
-                   "tokens": tokens, "f": f, "hide": k, "texts": len(rows), "spearman": rho, "rows": rows},
-                  fh, indent=1)  # fmt: skip
+    extra = {"sender": sender, "receiver": receiver, "tokens": tokens, "f": f, "hide": k, "texts": len(rows),
+             "spearman": rho}  # fmt: skip
+    print(write_results(out, rows, command, extra))
 
 
 if __name__ == "__main__":
