@@ -272,9 +272,11 @@ def gate_replay(rows: list[dict], artifacts: dict, threshold: float, margin: flo
 
 
 def _info(row: dict, which: str) -> dict:
-    """A row's relay signals with the fraction asked for and the context length (what the estimate is
-    centred on)."""
-    return {"requested_fraction": row["f"], "context_tokens": row.get("context_tokens"), **row.get(which, {})}
+    """A row's relay signals with the fraction asked for, the context length and the hiding (what the
+    estimate is centred on)."""
+    setting = {"requested_fraction": row["f"], "context_tokens": row.get("context_tokens"),
+               "hide_translated": row.get("hide_translated", 0)}  # fmt: skip
+    return {**setting, **row.get(which, {})}
 
 
 def _point_key(x: dict) -> tuple:

@@ -328,3 +328,55 @@ def test_the_gate_trusts_an_estimate_by_the_texts_left_out_of_its_fit():
     good = fit_estimate(rows)
     assert good["signal"] == "tail_nll" and good["cv_spearman"] > 0.9 and trusts(good)
     assert not trusts({k: v for k, v in good.items() if k != "cv_spearman"})  # calibrated before it existed
+
+
+@pytest.mark.parametrize(("s", "r"), PAIRS)
+@pytest.mark.parametrize("hide", [0, 2, -1])
+def test_the_hiding_gap_is_the_first_rows_distance_between_two_relays(tiny_by_family, s, r, hide):
+    """hiding_gap (a per-request signal): the total variation between the suffix's first next-token
+    distributions of the relay as served and of the same relay with the other hiding (none where the
+    point hides, every layer where it does not). Measuring it leaves the relay's logits and cache as
+    they were; with nothing translated (f = 1) hiding changes nothing, and the gap is 0. hide=-1: every
+    layer (tiny gemma3's first layers slide over the recomputed last tokens only: hiding 2 changes nothing
+    for the first row there)."""
+    sender, receiver = tiny_by_family[s], tiny_by_family[r]
+    hide = receiver.spec.num_layers if hide < 0 else hide
+    state = capture_state(sender, CONTEXT, "t")
+    suffix = suffix_ids(receiver, QUESTION)
+    art = zero_artifact(sender, receiver)
+    other = 0 if hide else receiver.spec.num_layers
+    kw = {"logits": "all", "recompute": 0.3, "query": QUESTION}
+    measured = relay_prefill(receiver, state, art, suffix, hide_translated=hide, signals="all", **kw)
+    served = relay_prefill(receiver, state, art, suffix, hide_translated=hide, **kw)
+    flipped = relay_prefill(receiver, state, art, suffix, hide_translated=other, **kw)
+    assert torch.equal(measured.logits, served.logits) and measured.cache.length == served.cache.length
+    assert measured.cache.hidden_layers == served.cache.hidden_layers == hide
+    for i in range(receiver.spec.num_layers):
+        assert torch.equal(measured.cache.keys[i], served.cache.keys[i])
+        assert torch.equal(measured.cache.values[i], served.cache.values[i])
+    p, q = (torch.softmax(x.logits[0].float(), -1) for x in (served, flipped))
+    want = float(0.5 * (p - q).abs().sum())
+    assert want > 1e-3 or (r == "gemma3" and hide == 2)
+    assert measured.info["hiding_gap"] == pytest.approx(want, abs=1e-4)
+    full = relay_prefill(receiver, state, art, suffix, recompute=1.0, hide_translated=hide, signals="all")
+    assert full.info["hiding_gap"] < 1e-5
+
+
+def test_the_estimate_is_centred_per_hiding():
+    """The same f hiding 12 layers and hiding none are two operating points with their own mean top-1:
+    a request is judged against the centres of its own hiding."""
+    from ctxrelay.transports.heterofold.faithful import fit_estimate
+    from ctxrelay.transports.heterofold.recompute import estimate
+
+    rows = []
+    for hide, base in ((0, 0.8), (12, 0.9)):
+        for i in range(8):
+            sig = 0.1 + 0.02 * i
+            rows.append({"text": i, "f": 0.2, "tokens": 4096, "hide_translated": hide, "hiding_gap": sig,
+                         "top1_agreement": base - 0.5 * sig})  # fmt: skip
+    est = fit_estimate(rows)
+    assert est["signal"] == "hiding_gap" and set(est["lengths"]) == {"4096", "4096+hide12"}
+    info = {"hiding_gap": 0.15, "requested_fraction": 0.2, "context_tokens": 4096}
+    assert estimate(est, info) == pytest.approx(0.8 - 0.075, abs=1e-6)
+    assert estimate(est, {**info, "hide_translated": 12}) == pytest.approx(0.9 - 0.075, abs=1e-6)
+    assert est["cv_spearman"] == pytest.approx(1.0)

@@ -263,8 +263,9 @@ def _recompute_runs(stage: dict) -> list[dict]:
 
 
 def _run_key(run: dict) -> str:
-    n, hide = int(run["recompute_tokens"]), int(run["hide_layers"])
-    return f"{n}+hide{hide}" if hide else str(n)
+    from ctxrelay.transports.heterofold.recompute import setting_key
+
+    return setting_key(run["recompute_tokens"], run["hide_layers"])
 
 
 def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str, hide: int | None = None) -> None:

@@ -24,7 +24,7 @@ from ctxrelay.artifact import Artifact
 from ctxrelay.metrics import PooledQuality, position_agreement
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.transports.heterofold import quality as heldout
-from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate, row_tokens
+from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate, parse_setting, row_tokens, setting_key
 from ctxrelay.transports.heterofold.transfer import relay_prefill
 
 DEFAULT_RULE = "mix"
@@ -32,23 +32,23 @@ DEFAULT_RULE = "mix"
 
 def fit_estimate(rows: list[dict], cross_validate: bool = True) -> dict:
     """The per-request estimate: the signal whose ranking of texts follows their top-1 agreement best
-    AT A FIXED f AND LENGTH (mean Spearman over the (f, length) groups; pooled over fractions f itself
-    would explain it), and one slope fitted on the signal and top-1 centred per group. estimate = the
-    calibrated mean top-1 at f (and length) + slope * (signal - its mean there). Centres per length
-    matter: into qwen-0.5b the mean top-1 at f = 0.3 falls from 2048 to 4096 tokens while the signal
-    barely moves, so centres from one length rank a mix of lengths badly."""
-    groups = sorted({(r["f"], row_tokens(r)) for r in rows})
+    AT A FIXED f AND SETTING (mean Spearman over the (f, length, hiding) groups; pooled over fractions f
+    itself would explain it), and one slope fitted on the signal and top-1 centred per group. estimate =
+    the calibrated mean top-1 at f (length, hiding) + slope * (signal - its mean there). Centres per
+    length matter: into qwen-0.5b the mean top-1 at f = 0.3 falls from 2048 to 4096 tokens while the
+    signal barely moves, so centres from one length rank a mix of lengths badly; per hiding too, as the
+    same f hiding 12 layers and hiding none are two operating points with their own means."""
+    groups = sorted({_group(r) for r in rows})
     best = None
     for sig in SIGNALS:
-        rhos, xs, ys, lengths = [], [], [], {}
-        for f, n in groups:
-            part = [(float(r[sig]), float(r["top1_agreement"])) for r in rows
-                    if r["f"] == f and row_tokens(r) == n and sig in r]  # fmt: skip
+        rhos, xs, ys, settings = [], [], [], {}
+        for g in groups:
+            part = [(float(r[sig]), float(r["top1_agreement"])) for r in rows if _group(r) == g and sig in r]
             if len(part) < 4 or not _varies([x for x, _ in part]) or len({y for _, y in part}) < 2:
                 continue
             rhos.append(float(spearmanr([x for x, _ in part], [y for _, y in part]).statistic))
             mx, my = sum(x for x, _ in part) / len(part), sum(y for _, y in part) / len(part)
-            lengths.setdefault(str(n), {})[str(f)] = [mx, my]
+            settings.setdefault(setting_key(g[1], g[2]), {})[str(g[0])] = [mx, my]
             xs += [x - mx for x, _ in part]
             ys += [y - my for _, y in part]
         if not rhos or not any(xs):
@@ -56,22 +56,28 @@ def fit_estimate(rows: list[dict], cross_validate: bool = True) -> dict:
         rho = sum(rhos) / len(rhos)
         slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
         if best is None or abs(rho) > abs(best["spearman"]):
-            first = lengths[min(lengths, key=int)]  # what readers without per-length centres use
+            first = settings[min(settings, key=parse_setting)]  # what readers without per-setting centres use
             best = {"signal": sig, "slope": slope, "centres": first, "spearman": rho, "texts": len(xs)}
-            if len(lengths) > 1:
-                best["lengths"] = lengths
+            if len(settings) > 1:
+                best["lengths"] = settings
     if best and cross_validate:
         best["cv_spearman"] = left_out_spearman(rows)
     return best or {}
 
 
+def _group(row: dict) -> tuple[float, int, int]:
+    """(f, context length, hidden layers) of a recompute-stage row: one operating point's texts."""
+    return row["f"], row_tokens(row), int(row.get("hide_translated", 0))
+
+
 def left_out_spearman(rows: list[dict]) -> float | None:
-    """How well the estimate ranks calibration texts it was not fitted on: leave one text out, choose the
-    signal and fit the line on the others, estimate the left-out text; then Spearman of those estimates
-    with top-1 agreement per (f, length) group, averaged. The gate trusts this, not the in-sample
-    figure: choosing the best of six signals on 24 texts overfits. Measured: into qwen-0.5b in-sample
-    |Spearman| 0.53, left out 0.21; on held-out requests 0.38-0.47, where acting on it refused 6 of 8 needle
-    questions at f = 0.3 that the relay answered right, each after paying for the relay."""
+    """How well the estimate ranks calibration texts it was not fitted on: leave one text out (at every
+    hiding it was measured with), choose the signal and fit the line on the others, estimate the
+    left-out text; then Spearman of those estimates with top-1 agreement per (f, length, hiding) group,
+    averaged. The gate trusts this, not the in-sample figure: choosing the best of several signals on 24
+    texts overfits. Measured: into qwen-0.5b in-sample |Spearman| 0.53, left out 0.21; on held-out
+    requests 0.38-0.47, where acting on it refused 6 of 8 needle questions at f = 0.3 that the relay
+    answered right, each after paying for the relay."""
     keys = [(r.get("text", i), row_tokens(r)) for i, r in enumerate(rows)]  # a row without a text id: its own
     held: dict[int, float] = {}
     for t in sorted(set(keys)):
@@ -82,9 +88,8 @@ def left_out_spearman(rows: list[dict]) -> float | None:
                 if e is not None:
                     held[i] = e
     rhos = []
-    for f, n in sorted({(r["f"], row_tokens(r)) for r in rows}):
-        part = [(held[i], float(r["top1_agreement"])) for i, r in enumerate(rows)
-                if i in held and r["f"] == f and row_tokens(r) == n]  # fmt: skip
+    for g in sorted({_group(r) for r in rows}):
+        part = [(held[i], float(r["top1_agreement"])) for i, r in enumerate(rows) if i in held and _group(r) == g]
         if len(part) >= 4 and len({e for e, _ in part}) > 1 and len({y for _, y in part}) > 1:
             rhos.append(float(spearmanr([e for e, _ in part], [y for _, y in part]).statistic))
     return sum(rhos) / len(rhos) if rhos else None

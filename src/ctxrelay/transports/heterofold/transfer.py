@@ -25,7 +25,7 @@ from ctxrelay.timing import Stopwatch
 from ctxrelay.transports.base import RelayOutput, check_edge
 from ctxrelay.transports.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
 from ctxrelay.transports.heterofold.maps import FoldMaps, translate
-from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate, select, trusts
+from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate, hiding_gap, select, trusts
 from ctxrelay.transports.heterofold.recompute import recompute as recompute_positions
 
 TRANSPORT = "heterofold"
@@ -174,11 +174,15 @@ def relay_prefill(
             cache.hide(translated_mask(ids.numel(), al.native, picked), hide_translated)
     measured: dict = {}
     # with recompute the suffix runs in the recompute pass (one read of the receiver's weights, not two):
-    # recompute_s holds the suffix's rows, first_token_s the LM head
+    # recompute_s holds the suffix's rows (and the hiding gap where measured), first_token_s the LM head
     merged = picked is not None and picked.positions.numel() > 0
     if merged:
         with sw("recompute_s"):
             out, measured = recompute_positions(receiver, ids, cache, picked.positions, attend, wanted, suffix)
+            if "hiding_gap" in wanted:  # the first suffix row again under the other hiding
+                first_row = out.hidden[:, -suffix.numel() :][:, :1]
+                mask = translated_mask(ids.numel(), al.native, picked)
+                measured["hiding_gap"] = hiding_gap(receiver, cache, suffix[:1], first_row, mask, hide_translated)
     with sw("first_token_s"):
         if merged:
             hidden = out.hidden[:, -suffix.numel() :]
