@@ -18,6 +18,16 @@ def test_essay_counts_and_split():
     assert all(e.text.strip() for e in all_) and sum(len(e.text) for e in all_) > 500_000
 
 
+def test_rotation_seeds_start_every_haystack_at_another_essay():
+    """Seeds 3i wrap round the 39 train essays after 13 texts; the 14th text must not be the 1st again."""
+    seeds = datasets.rotation_seeds(24, "train")
+    assert seeds[:13] == [3 * i for i in range(13)]  # the texts calibrations made before were made from
+    assert len({s % 39 for s in seeds}) == 24
+    assert len(set(datasets.rotation_seeds(39, "train"))) == 39
+    with pytest.raises(UsageError, match="39 different haystacks"):
+        datasets.rotation_seeds(40, "train")
+
+
 def test_bad_split_is_clear():
     with pytest.raises(UsageError, match="unknown split"):
         datasets.essays("test")

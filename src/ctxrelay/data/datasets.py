@@ -89,6 +89,17 @@ def _special_count(tokenizer) -> int:
     return len(tokenizer("", add_special_tokens=True)["input_ids"])
 
 
+def rotation_seeds(n: int, split: Split = "train", step: int = 3) -> list[int]:
+    """n essay_haystack seeds that start at n different essays, `step` apart: seed step * i, which
+    wraps round the split after len / step texts (the train split's 39 essays: 13), then moves one
+    essay on, onto the starts it skipped. Plain step * i gave the 14th-16th of 16 calibration essays
+    the 1st-3rd's texts again. The first len / step seeds are step * i, as before."""
+    size = len(essays(split))
+    if n > size:
+        raise UsageError(f"the {split} essays give {size} different haystacks; asked for {n}")
+    return [(step * i) % size + (step * i) // size for i in range(n)]
+
+
 def essay_haystack(tokenizer, n_tokens: int, split: Split = "heldout", seed: int = 0) -> str:
     """Essays of `split` concatenated (order rotated by `seed`), cut at a token boundary.
 

@@ -17,6 +17,7 @@ from ctxrelay.data.datasets import (
     conversation_text,
     essay_haystack,
     essays,
+    rotation_seeds,
     sharegpt_conversations,
 )
 from ctxrelay.errors import UsageError
@@ -83,7 +84,8 @@ def calibration_texts(opts: dict) -> tuple[list[str], list[str]]:
 def recompute_texts(tokenizer, opts: dict) -> list[str]:
     """Training-split essay haystacks and conversation histories of recompute_tokens + a continuation."""
     n = int(opts["recompute_tokens"]) + 200
-    texts = [essay_haystack(tokenizer, n, split="train", seed=3 * i) for i in range(int(opts["recompute_essays"]))]
+    seeds = rotation_seeds(int(opts["recompute_essays"]), "train")  # each text starts at another essay
+    texts = [essay_haystack(tokenizer, n, split="train", seed=i) for i in seeds]
     texts += [conversation_haystack(tokenizer, n, "train", seed=i) for i in range(int(opts["recompute_convs"]))]
     return texts
 
