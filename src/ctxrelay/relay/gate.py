@@ -178,7 +178,8 @@ def reason_for(c: Candidate, native_s: float | None, threshold: float, requested
 
 
 def _recall(q: dict) -> str:
-    return f"{q['fact_recall']:.2f} ({q.get('kept')}/{q.get('native_right')} facts)"
+    at = f" at {q['facts_tokens']} tokens" if "facts_tokens" in q else ""
+    return f"{q['fact_recall']:.2f} ({q.get('kept')}/{q.get('native_right')} facts{at})"
 
 
 def _below(q: float, threshold: float) -> str:
@@ -195,23 +196,30 @@ def quality_at(quality: dict, n_tokens: int) -> dict:
     qwen-0.5b, top-1 at f = 0.3: 0.86 at 2048 tokens, lower at 4096), so a point judged at one length
     only would pass requests it serves worse. A point measured at fewer lengths than its artifact's other
     points (quality["serves_tokens"]: [shortest, longest) request) is out of its range beyond the middle
-    towards a length it was not measured at: "outside" says so and quality_refusal refuses it."""
+    towards a length it was not measured at: "outside" says so and quality_refusal refuses it. Fact
+    recall measured at several lengths (quality["facts_by_tokens"]) is read at the one nearest n_tokens,
+    apart from top-1's lengths ("facts_tokens" says which)."""
     lo, hi = quality.get("serves_tokens") or (None, None)
     if (lo is not None and n_tokens < lo) or (hi is not None and n_tokens >= hi):
         at = sorted(x["tokens"] for x in quality.get("by_tokens") or []) or [quality.get("tokens")]
         span = f"{lo}+" if hi is None else f"under {hi}" if lo is None else f"{lo}-{hi - 1}"
         where = " and ".join(str(x) for x in at)
         return {**quality, "outside": f"measured at {where} tokens, it serves requests of {span} tokens"}
+    out = dict(quality)
     levels = {x["tokens"]: x for x in quality.get("by_tokens") or []}
-    if not levels:
-        return quality
-    a, b, w = log_length_weight(levels, n_tokens)
-    near = levels[a if w <= 0.5 else b]
-    out = {**quality, **{k: v for k, v in near.items() if k != "tokens"}}
-    out["at_tokens"] = f"calibrated at {near['tokens']} tokens"
-    if a != b:
-        out["top1_agreement"] = (1 - w) * levels[a]["top1_agreement"] + w * levels[b]["top1_agreement"]
-        out["at_tokens"] = f"interpolated between {a} and {b} tokens"
+    if levels:
+        a, b, w = log_length_weight(levels, n_tokens)
+        near = levels[a if w <= 0.5 else b]
+        out.update({k: v for k, v in near.items() if k != "tokens"})
+        out["at_tokens"] = f"calibrated at {near['tokens']} tokens"
+        if a != b:
+            out["top1_agreement"] = (1 - w) * levels[a]["top1_agreement"] + w * levels[b]["top1_agreement"]
+            out["at_tokens"] = f"interpolated between {a} and {b} tokens"
+    facts = {x["tokens"]: x for x in quality.get("facts_by_tokens") or []}
+    if facts:  # fact recall at the fact stage's length nearest the request's, wherever top-1 was measured
+        a, b, w = log_length_weight(facts, n_tokens)
+        near = facts[a if w <= 0.5 else b]
+        out.update({k: v for k, v in near.items() if k != "tokens"}, facts_tokens=near["tokens"])
     return out
 
 

@@ -46,6 +46,27 @@ def test_facts_at_reads_the_points_own_hiding_at_the_nearest_measured_length():
     assert facts_at(q, 0.2, ("kept",), hide=6) == {}
 
 
+def test_the_gate_reads_fact_recall_at_the_requests_length_where_top1_has_one_length():
+    """qwen-1.5b -> qwen-0.5b: top-1 measured at 2048 only, facts at 2048 and 4096. A 4096-token request
+    is judged on the 4096 facts (before, on the 2048 entry its top-1 length pointed at)."""
+    from ctxrelay.relay.gate import quality_at, quality_refusal
+    from ctxrelay.transports.heterofold import transport
+
+    def fact(tokens, kept):
+        return {"f": 0.3, "selection": "mix", "tokens": tokens, "hide_translated": 12, "cases": 8,
+                "native_right": 8, "kept": kept, "fact_recall": kept / 8}  # fmt: skip
+
+    quality = {"top1_agreement": 0.8,
+               "recompute": [{"f": 0.3, "selection": "mix", "tokens": 2048, "hide_translated": 12,
+                              "top1_agreement": 0.9}],
+               "facts": [fact(2048, 8), fact(4096, 5)]}  # fmt: skip
+    point = transport.operating_points({"recompute_stage": {"hide_layers": 12}}, quality)[1]["quality"]
+    assert [x["tokens"] for x in point["facts_by_tokens"]] == [2048, 4096]
+    assert quality_refusal(quality_at(point, 2048), 0.85) is None
+    assert "fact recall 0.62 (5/8 facts at 4096 tokens)" in quality_refusal(quality_at(point, 4096), 0.85)
+    assert quality_at(point, 2800)["kept"] == 8  # nearer 2048 in log-length
+
+
 def test_calibration_facts_are_never_the_benchmark_facts():
     asked = {n.fact for n in NEEDLES} | {n.answer for n in NEEDLES}
     assert not asked & ({n.fact for n in CALIBRATION_NEEDLES} | {n.answer for n in CALIBRATION_NEEDLES})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ctxrelay.transports.base import Transport
 from ctxrelay.transports.heterofold.calibrate import METHODS, CalibConfig, calibrate
-from ctxrelay.transports.heterofold.facts import facts_at
+from ctxrelay.transports.heterofold.facts import facts_at, facts_levels
 from ctxrelay.transports.heterofold.recompute import calibrated_estimates, serving_span, stage_setting, with_setting
 from ctxrelay.transports.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, identity_artifact, relay_prefill
 
@@ -29,7 +29,9 @@ class Heterofold(Transport):
         that f (the share it would refuse is a relay paid before native prefill: the gate counts that
         cost). A point measured at several context lengths lists each under "by_tokens" with that
         length's fact recall (the gate reads the request's length: relay.gate.quality_at); its top-level
-        fields are the shortest length's. A point measured at fewer lengths than the artifact's others
+        fields are the shortest length's. Fact recall measured at several lengths is listed apart
+        ("facts_by_tokens"): the gate reads the one nearest the request's length, even where top-1 was
+        measured at one length only. A point measured at fewer lengths than the artifact's others
         (e.g. hiding only at 4096 tokens) serves only the requests nearest its lengths ("serves_tokens")."""
         stage = params.get("recompute_stage") or {}
         fact_stage = stage_setting(params.get("facts_stage"), "facts_tokens")
@@ -54,6 +56,9 @@ class Heterofold(Transport):
                     {"tokens": q["tokens"], "top1_agreement": q["top1_agreement"], "calibrated_estimates": e, **k}
                     for q, e, k in zip(levels, ests, kept, strict=True)
                 ]
+            fact_levels = facts_levels(facts, f, hide)
+            if len(fact_levels) > 1:  # fact recall by the request's length, apart from top-1's lengths
+                point_q["facts_by_tokens"] = fact_levels
             span = serving_span(lengths, [q["tokens"] for q in levels])
             if span != [None, None]:
                 point_q["serves_tokens"] = span

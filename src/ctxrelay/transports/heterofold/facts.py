@@ -128,11 +128,22 @@ def facts_at(
     """`fields` of the stage's entry at fraction f measured with `hide` hidden layers (f = 0 never
     hides), at the measured length nearest `tokens` in log-length (the shortest when None); empty
     where the stage measured no such entry."""
-    found = [e for e in with_setting(quality.get("facts", []), 2048, 0) if abs(float(e["f"]) - f) < 1e-9]
-    found = [e for e in found if e["hide_translated"] == (hide if f else 0)]
-    if not found:
+    lengths = {e["tokens"]: e for e in _entries(quality, f, hide)}
+    if not lengths:
         return {}
-    lengths = {e["tokens"]: e for e in found}
     a, b, w = log_length_weight(list(lengths), tokens or min(lengths))  # the gate's nearest-length rule
     e = lengths[a if w <= 0.5 else b]
     return {k: e[k] for k in fields if k in e}
+
+
+def facts_levels(quality: dict, f: float, hide: int = 0) -> list[dict]:
+    """Every length the stage measured fraction f with `hide` hidden layers at: {"tokens", *FACT_FIELDS}
+    each, shortest first. The gate reads the one nearest the request's length (relay.gate.quality_at),
+    whatever lengths the point's top-1 agreement was measured at."""
+    found = sorted(_entries(quality, f, hide), key=lambda e: e["tokens"])
+    return [{"tokens": e["tokens"], **{k: e[k] for k in FACT_FIELDS if k in e}} for e in found]
+
+
+def _entries(quality: dict, f: float, hide: int) -> list[dict]:
+    found = [e for e in with_setting(quality.get("facts", []), 2048, 0) if abs(float(e["f"]) - f) < 1e-9]
+    return [e for e in found if e["hide_translated"] == (hide if f else 0)]
