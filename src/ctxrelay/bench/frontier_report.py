@@ -83,10 +83,11 @@ def summarize(rows: list[dict]) -> list[dict]:
 def estimate_check(rows: list[dict], estimators: dict[tuple[str, str], dict]) -> list[dict]:
     """How well each artifact's per-request estimate ranks held-out requests: Spearman of the estimate
     against per-request top-1 agreement (continuations) and needle correctness (questions), per
-    direction and fraction of the default rule, and pooled over directions."""
+    direction, fraction of the default rule, length and hiding (with the signal of that setting's
+    estimate and whether the gate acts on it), and per fraction pooled over directions."""
     from scipy.stats import spearmanr
 
-    from ctxrelay.transports.heterofold.recompute import estimate
+    from ctxrelay.transports.heterofold.recompute import estimate, estimate_model, trusts
 
     def rho(pairs):
         if len(pairs) < 4 or len({p[0] for p in pairs}) < 2 or len({p[1] for p in pairs}) < 2:
@@ -97,9 +98,10 @@ def estimate_check(rows: list[dict], estimators: dict[tuple[str, str], dict]) ->
     for (s, r), model in sorted(estimators.items()):
         if not model:
             continue
-        for f in sorted({x["f"] for x in rows if x.get("selection") == model.get("rule", "mix") and x["f"] > 0}):
-            part = [x for x in rows if (x["sender"], x["receiver"]) == (s, r) and x.get("kind") != "timing"
-                    and x["selection"] == model.get("rule", "mix") and x["f"] == f]  # fmt: skip
+        mine = [x for x in rows if (x["sender"], x["receiver"]) == (s, r) and x.get("kind") != "timing"
+                and x.get("selection") == model.get("rule", "mix") and x["f"] > 0]  # fmt: skip
+        for f, n, hide in sorted({(x["f"], x["length"], x.get("hide_translated", 0)) for x in mine}):
+            part = [x for x in mine if (x["f"], x["length"], x.get("hide_translated", 0)) == (f, n, hide)]
             cont = [(estimate(model, _info(x, "continuation_info")), x["top1_agreement"]) for x in part]
             cont = [(e, y) for e, y in cont if e is not None]
             qa = [(e, x["needle_acc"]) for x in part
@@ -107,7 +109,9 @@ def estimate_check(rows: list[dict], estimators: dict[tuple[str, str], dict]) ->
             pooled.setdefault(f, ([], []))
             pooled[f][0].extend(cont)
             pooled[f][1].extend(qa)
-            out.append({"sender": s, "receiver": r, "f": f, "signal": model["signal"], "requests": len(cont),
+            sub = estimate_model(model, n, hide) or {}  # the estimate of this setting (where fitted per setting)
+            out.append({"sender": s, "receiver": r, "f": f, "length": n, "hide_translated": hide,
+                        "signal": sub.get("signal"), "trusted": trusts(model, n, hide), "requests": len(cont),
                         "spearman_top1": rho(cont), "questions": len(qa), "spearman_needle": rho(qa)})  # fmt: skip
     for f, (cont, qa) in sorted(pooled.items()):
         out.append({"sender": "all", "receiver": "all", "f": f, "requests": len(cont), "spearman_top1": rho(cont),
@@ -221,7 +225,8 @@ def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, t
         e = estimate(model, _info(row, "question_info" if row.get("question_info") else "continuation_info"))
         # the gate refuses a relay whose first token ends the text: an empty answer
         empty = row.get("dataset") == "needle" and row.get("answer") is not None and not row["answer"].strip()
-        if (e is None or not trusts(model) or e >= threshold) and not empty:
+        trusted = trusts(model, row.get("context_tokens"), hide)
+        if (e is None or not trusted or e >= threshold) and not empty:
             ratio = row["ppl"]["128"] / row["native_ppl"]["128"] if "128" in row["ppl"] else None
             return {"point": f"f={f:.2f} {rule}", "ttft_s": spent, "native_ttft_s": native_s,
                     "top1": row["top1_agreement"], "needle": row.get("needle_acc"), "ppl_ratio": ratio,
@@ -312,14 +317,17 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
         for x in doc.get("gate", [])
     ]  # fmt: skip
     est = [
-        [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", x.get("signal", _pooled(x)), str(x["requests"]),
+        [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", str(x.get("length", "-")),
+         str(x.get("hide_translated", 0)), x.get("signal", _pooled(x)),
+         {True: "yes", False: "no"}.get(x.get("trusted"), "-"), str(x["requests"]),
          _cell(x.get("spearman_top1")), str(x["questions"]), _cell(x.get("spearman_needle"))]
         for x in doc.get("estimate_check", [])
     ]  # fmt: skip
     quality = ["essays top-1", "essays ppl x", "sharegpt top-1", "sharegpt ppl x", "speedup"]
     lines = _markdown(["direction", "tokens", "rule", "f", "run f", "needles (native)", *quality], frontier)
     lines += ["", *_markdown(["direction", "tokens", "requests", "gate chose", "needles (native)", *quality], gate)]
-    heads = ["direction", "f", "signal", "requests", "Spearman top-1", "questions", "Spearman needle"]
+    heads = ["direction", "f", "tokens", "hide", "signal", "trusted", "requests", "Spearman top-1", "questions",
+             "Spearman needle"]  # fmt: skip
     lines += ["", *_markdown(heads, est)]
     cal = [
         [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", str(x.get("tokens", 2048)),

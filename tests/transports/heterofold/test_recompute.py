@@ -174,6 +174,9 @@ def test_recompute_stage_measures_each_fraction_and_fits_an_estimate(tiny_by_fam
     assert res["recompute"][0]["top1_agreement"] <= res["recompute"][1]["top1_agreement"]
     assert len(res["recompute_rows"]) == 2 * len(texts)
     est = res["estimate"]
+    assert set(est["by_setting"]) == {"2048"}  # one setting: its own fit is the pooled one
+    assert est["by_setting"]["2048"]["signal"] == est["signal"]
+    est = {k: v for k, v in est.items() if k != "by_setting"}  # the pooled estimate (artifacts made before)
     assert est["signal"] in SIGNALS and -1 <= est["spearman"] <= 1
     assert 0.0 <= estimate(est, {est["signal"]: 0.5, "requested_fraction": 0.2}) <= 1.0
     assert estimate(est, {"requested_fraction": 0.2}) is None  # the signal was not measured
@@ -380,3 +383,31 @@ def test_the_estimate_is_centred_per_hiding():
     assert estimate(est, info) == pytest.approx(0.8 - 0.075, abs=1e-6)
     assert estimate(est, {**info, "hide_translated": 12}) == pytest.approx(0.9 - 0.075, abs=1e-6)
     assert est["cv_spearman"] == pytest.approx(1.0)
+
+
+def test_the_estimate_is_fitted_and_trusted_per_setting():
+    """Where one setting's signal ranks its texts and another's does not, each setting gets its own
+    estimate (signal, line, left-out Spearman): the gate acts on the one that ranks, never on the other,
+    and a request is judged by its own hiding's estimate at the nearest calibrated length."""
+    from ctxrelay.transports.heterofold.faithful import estimate_entry
+    from ctxrelay.transports.heterofold.recompute import calibrated_estimates, estimate, estimate_model, trusts
+
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    for i in range(12):
+        top1 = 0.8 + 0.01 * i
+        noise = float(torch.rand(1, generator=gen))
+        rows.append({"text": i, "f": 0.2, "tokens": 4096, "hide_translated": 0, "top1_agreement": top1,
+                     "translated_attention": 1.0 - top1, "kv_change": noise})  # fmt: skip
+        rows.append({"text": i, "f": 0.2, "tokens": 2048, "hide_translated": 12, "top1_agreement": top1,
+                     "translated_attention": float(torch.rand(1, generator=gen)), "kv_change": noise})  # fmt: skip
+    est = estimate_entry(rows, "mix")
+    assert set(est["by_setting"]) == {"4096", "2048+hide12"}
+    assert est["by_setting"]["4096"]["signal"] == "translated_attention"
+    assert trusts(est, 4096, 0) and trusts(est, 3000, 0)  # the one unhidden setting serves every length
+    assert not trusts(est, 2048, 12) and not trusts(est, 4096, 6)  # ranks nothing / no such hiding
+    assert estimate_model(est, 2048, 12) is est["by_setting"]["2048+hide12"]
+    info = {"translated_attention": 0.15, "requested_fraction": 0.2, "context_tokens": 4096}
+    assert estimate(est, info) == pytest.approx(0.85, abs=1e-3)
+    assert len(calibrated_estimates(est, rows, 0.2, 4096, 0)) == 12
+    assert calibrated_estimates(est, rows, 0.2, 2048, 12) == []

@@ -243,7 +243,9 @@ def estimate(model: dict | None, info: dict) -> float | None:
     Where the stage ran at several settings (model["lengths"], keyed by setting_key), both means come
     from the settings with the request's hiding, interpolated linearly in log-length between the
     calibrated lengths around the request's context_tokens (the nearest outside them). None where the
-    artifact has no estimate or the signal was not measured."""
+    artifact has no estimate or the signal was not measured. Where the stage fitted one estimate per
+    setting (model["by_setting"]), the request's own setting's is used (estimate_model)."""
+    model = estimate_model(model, info.get("context_tokens"), int(info.get("hide_translated", 0)))
     if not model or "centres" not in model or model.get("signal") not in info or "requested_fraction" not in info:
         return None
     f = float(info["requested_fraction"])
@@ -254,6 +256,22 @@ def estimate(model: dict | None, info: dict) -> float | None:
         same = {k: v for k, v in settings.items() if parse_setting(k)[1] == hide} or settings
         mean_signal, mean_top1 = _centre_at(same, f, int(info["context_tokens"]))
     return float(min(1.0, max(0.0, mean_top1 + model["slope"] * (float(info[model["signal"]]) - mean_signal))))
+
+
+def estimate_model(model: dict | None, tokens: int | None, hide: int = 0) -> dict | None:
+    """The estimate that judges a request of `tokens` context tokens hiding `hide` layers. Where the stage
+    fitted one per setting (model["by_setting"], keyed by setting_key): that of the request's hiding at
+    the calibrated length nearest its own in log-length (the gate's nearest-length rule; the shortest
+    when no length is given), None where its hiding has none. Otherwise the one pooled estimate."""
+    if not model or "by_setting" not in model:
+        return model
+    same = {parse_setting(k)[0]: v for k, v in model["by_setting"].items() if parse_setting(k)[1] == int(hide)}
+    if not same:
+        return None
+    if not tokens:
+        return same[min(same)]
+    a, b, w = log_length_weight(list(same), int(tokens))
+    return same[a if w <= 0.5 else b]
 
 
 def setting_key(tokens: int, hide: int) -> str:
@@ -285,7 +303,7 @@ def calibrated_estimates(
     """What a trusted estimate said of each calibration text at fraction f (the recompute stage's rows;
     only those calibrated at `tokens` context tokens and with `hide` hidden layers when given); empty
     where the gate does not act on the estimate."""
-    if not trusts(model):
+    if not trusts(model, tokens, hide or 0):
         return []
     part = [r for r in rows if abs(float(r["f"]) - f) < 1e-9 and (tokens is None or row_tokens(r) == tokens)]
     part = [r for r in part if hide is None or int(r.get("hide_translated", 0)) == hide]
@@ -327,11 +345,13 @@ def serving_span(lengths: list[int], measured: list[int]) -> list[int | None]:
     return [lo, hi]
 
 
-def trusts(model: dict | None) -> bool:
+def trusts(model: dict | None, tokens: int | None = None, hide: int = 0) -> bool:
     """Whether the artifact's estimate ranks requests well enough for the gate to act on it: by how it
-    ranked calibration texts it was not fitted on (cv_spearman), never by its in-sample fit. An estimate
+    ranked calibration texts it was not fitted on (cv_spearman), never by its in-sample fit; per setting
+    where the stage fitted one per setting (estimate_model: the one for `tokens` and `hide`). An estimate
     calibrated before cv_spearman existed is not acted on (`ctxrelay calibrate ... --set stage=refit`
     adds it from the stored rows)."""
+    model = estimate_model(model, tokens, hide)
     return bool(model) and float(model.get("cv_spearman") or 0.0) >= MIN_ESTIMATE_RHO
 
 

@@ -25,7 +25,7 @@ from ctxrelay.timing import Stopwatch
 from ctxrelay.transports.base import RelayOutput, check_edge
 from ctxrelay.transports.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
 from ctxrelay.transports.heterofold.maps import FoldMaps, translate
-from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate, hiding_gap, select, trusts
+from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate, estimate_model, hiding_gap, select, trusts
 from ctxrelay.transports.heterofold.recompute import recompute as recompute_positions
 
 TRANSPORT = "heterofold"
@@ -160,7 +160,8 @@ def relay_prefill(
     room = suffix.numel() + KVCache.BLOCK
     cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw, room, native=not recomputing)
     picked = None
-    model = artifact.quality.get("estimate")
+    # the estimate of this request's setting (its length, its hiding), where the stage fitted one per setting
+    model = estimate_model(artifact.quality.get("estimate"), int(ids.numel()), int(hide_translated))
     wanted = SIGNALS if signals == "all" else ((model or {}).get("signal"),) if trusts(model) else ()
     if recomputing:
         with sw("select_s"):
