@@ -253,6 +253,7 @@ def estimate(model: dict | None, info: dict) -> float | None:
     settings = model.get("lengths")
     if settings and info.get("context_tokens"):
         hide = int(info.get("hide_translated", 0))
+        # artifacts made before settings had a hiding key all settings by length alone: all of them
         same = {k: v for k, v in settings.items() if parse_setting(k)[1] == hide} or settings
         mean_signal, mean_top1 = _centre_at(same, f, int(info["context_tokens"]))
     return float(min(1.0, max(0.0, mean_top1 + model["slope"] * (float(info[model["signal"]]) - mean_signal))))
@@ -432,11 +433,12 @@ def hiding_gap(m: LoadedModel, cache: KVCache, first_id: torch.Tensor, served: t
     """Total variation between the receiver's next-token distributions after the suffix's first token as
     served (`served`: its hidden row [1, 1, D], the translated entries hidden in the first `hide` layers)
     and with the other hiding: none where the point hides, every layer where it does not. A request whose
-    answer leans on what the translated entries say moves when they are hidden; measured (scripts/
-    hide_gap_probe.py, smollm2 -> gemma3 at 2048, f = 0.2 hiding 12, 18 texts the calibration did not
-    use) it ranked per-text top-1 agreement at Spearman -0.91, where every other signal here ranked
-    left-out texts at |Spearman| <= 0.1. Cost: one one-token pass over the receiver's weights and two
-    LM-head rows; the cache (entries, length, hiding) is left as it was."""
+    answer leans on what the translated entries say moves when they are hidden. Measured: a probe
+    (scripts/hide_gap_probe.py, smollm2 -> gemma3 at 2048, f = 0.2 hiding 12, 18 texts) ranked per-text
+    top-1 agreement at Spearman -0.91, but the recompute stage's 24 texts per f at the same point at -0.45,
+    and at f = 0.12 at +0.19 (docs/results.md): a candidate like the others, not a trusted estimate. Cost:
+    one one-token pass over the receiver's weights and two LM-head rows; the cache (entries, length,
+    hiding) is left as it was."""
     t = translated.numel()
     held = cache.length, cache.hidden, cache.hidden_layers
     saved = [
