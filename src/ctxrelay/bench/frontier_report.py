@@ -318,7 +318,7 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
     ]  # fmt: skip
     est = [
         [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", str(x.get("length", "-")),
-         str(x.get("hide_translated", 0)), x.get("signal", _pooled(x)),
+         str(x.get("hide_translated", "-")), x.get("signal", _pooled(x)),
          {True: "yes", False: "no"}.get(x.get("trusted"), "-"), str(x["requests"]),
          _cell(x.get("spearman_top1")), str(x["questions"]), _cell(x.get("spearman_needle"))]
         for x in doc.get("estimate_check", [])
