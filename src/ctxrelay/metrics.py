@@ -128,6 +128,13 @@ def log_length_weight(lengths: Sequence[int], n: int) -> tuple[int, int, float]:
     return a, b, 0.0 if a == b else (math.log(n) - math.log(a)) / (math.log(b) - math.log(a))
 
 
+def nearest_length(lengths: Sequence[int], n: int) -> int:
+    """The calibrated length nearest n in log-length (the nearest one outside their range): the gate's
+    rule wherever a measurement is read at one length rather than interpolated."""
+    a, b, w = log_length_weight(lengths, n)
+    return a if w <= 0.5 else b
+
+
 def normalize_tokens(text: str) -> list[str]:
     """Lower-case, punctuation to spaces, articles dropped (SQuAD-style, but 'copper-heron-42'
     keeps its three words apart instead of gluing them)."""

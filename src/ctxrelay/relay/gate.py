@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ctxrelay import transports
 from ctxrelay.errors import UsageError
-from ctxrelay.metrics import log_length_weight
+from ctxrelay.metrics import log_length_weight, nearest_length
 from ctxrelay.relay.graph import Edge, OperatingPoint, TransportGraph
 from ctxrelay.state import ContextState
 
@@ -217,8 +217,7 @@ def quality_at(quality: dict, n_tokens: int) -> dict:
             out["at_tokens"] = f"interpolated between {a} and {b} tokens"
     facts = {x["tokens"]: x for x in quality.get("facts_by_tokens") or []}
     if facts:  # fact recall at the fact stage's length nearest the request's, wherever top-1 was measured
-        a, b, w = log_length_weight(facts, n_tokens)
-        near = facts[a if w <= 0.5 else b]
+        near = facts[nearest_length(list(facts), n_tokens)]
         out.update({k: v for k, v in near.items() if k != "tokens"}, facts_tokens=near["tokens"])
     return out
 

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ctxrelay.artifact import Artifact
 from ctxrelay.data.datasets import essay_haystack
 from ctxrelay.data.needle import CALIBRATION_NEEDLES, make_needle_case, score_answer
-from ctxrelay.metrics import log_length_weight
+from ctxrelay.metrics import nearest_length
 from ctxrelay.models import runner
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
@@ -131,8 +131,7 @@ def facts_at(
     lengths = {e["tokens"]: e for e in _entries(quality, f, hide)}
     if not lengths:
         return {}
-    a, b, w = log_length_weight(list(lengths), tokens or min(lengths))  # the gate's nearest-length rule
-    e = lengths[a if w <= 0.5 else b]
+    e = lengths[nearest_length(list(lengths), tokens or min(lengths))]
     return {k: e[k] for k in fields if k in e}
 
 

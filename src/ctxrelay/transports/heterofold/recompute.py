@@ -35,7 +35,7 @@ import torch
 from rank_bm25 import BM25Okapi
 
 from ctxrelay.errors import UsageError
-from ctxrelay.metrics import log_length_weight
+from ctxrelay.metrics import log_length_weight, nearest_length
 from ctxrelay.models import runner
 from ctxrelay.models.attention import attention_logits, native_attention
 from ctxrelay.models.runner import KVCache
@@ -252,9 +252,8 @@ def estimate(model: dict | None, info: dict) -> float | None:
     mean_signal, mean_top1 = _centre(model["centres"], f)
     settings = model.get("lengths")
     if settings and info.get("context_tokens"):
-        hide = int(info.get("hide_translated", 0))
         # artifacts made before settings had a hiding key all settings by length alone: all of them
-        same = {k: v for k, v in settings.items() if parse_setting(k)[1] == hide} or settings
+        same = _by_length(settings, int(info.get("hide_translated", 0))) or _by_length(settings)
         mean_signal, mean_top1 = _centre_at(same, f, int(info["context_tokens"]))
     return float(min(1.0, max(0.0, mean_top1 + model["slope"] * (float(info[model["signal"]]) - mean_signal))))
 
@@ -266,13 +265,8 @@ def estimate_model(model: dict | None, tokens: int | None, hide: int = 0) -> dic
     when no length is given), None where its hiding has none. Otherwise the one pooled estimate."""
     if not model or "by_setting" not in model:
         return model
-    same = {parse_setting(k)[0]: v for k, v in model["by_setting"].items() if parse_setting(k)[1] == int(hide)}
-    if not same:
-        return None
-    if not tokens:
-        return same[min(same)]
-    a, b, w = log_length_weight(list(same), int(tokens))
-    return same[a if w <= 0.5 else b]
+    same = _by_length(model["by_setting"], int(hide))
+    return same[nearest_length(list(same), int(tokens or min(same)))] if same else None
 
 
 def setting_key(tokens: int, hide: int) -> str:
@@ -289,10 +283,13 @@ def _centre(centres: dict, f: float) -> list[float]:
     return centres[min(centres, key=lambda k: abs(float(k) - f))]
 
 
-def _centre_at(settings: dict, f: float, n: int) -> tuple[float, float]:
-    """(mean signal, mean top-1) at fraction f for a context of n tokens, from per-setting centres (one
-    hiding: their keys differ in length only)."""
-    by_len = {parse_setting(k)[0]: v for k, v in settings.items()}
+def _by_length(settings: dict, hide: int | None = None) -> dict:
+    """Per-setting entries (keyed by setting_key) of one hiding (None: all), keyed by their length."""
+    return {parse_setting(k)[0]: v for k, v in settings.items() if hide is None or parse_setting(k)[1] == hide}
+
+
+def _centre_at(by_len: dict, f: float, n: int) -> tuple[float, float]:
+    """(mean signal, mean top-1) at fraction f for a context of n tokens, from centres per length."""
     a, b, w = log_length_weight(list(by_len), n)
     ca, cb = _centre(by_len[a], f), _centre(by_len[b], f)
     return (1 - w) * ca[0] + w * cb[0], (1 - w) * ca[1] + w * cb[1]
