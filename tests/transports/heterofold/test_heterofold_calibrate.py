@@ -163,3 +163,25 @@ def test_end_to_end_stage_resumed_after_an_epoch_matches_an_uninterrupted_run(ca
     assert len(straight.params["train"]["e2e"]) == 2
     kl = lambda art: [h["train_kl"] for h in art.params["train"]["e2e"]]
     assert kl(resumed) == pytest.approx(kl(straight), rel=1e-5)
+
+
+def test_a_cached_heldout_item_is_the_item_it_stored_and_a_damaged_one_is_made_again(tiny_by_family, tmp_path):
+    from conftest import SAMPLE_TEXT
+    from ctxrelay.transports.heterofold import quality
+
+    sender, receiver = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    text = SAMPLE_TEXT * 2
+    made = quality.make_item(sender, receiver, text, 40, cache=tmp_path)
+    (path,) = tmp_path.rglob("*.st")
+    quality._MEMO.clear()
+    read = quality.make_item(sender, receiver, text, 40, cache=tmp_path)
+    assert read is not made  # from disk, not the memo
+    for a, b in [(made.suffix, read.suffix), (made.native_logprobs, read.native_logprobs),
+                 (made.no_context_nll, read.no_context_nll), (made.state.keys_pre_rope, read.state.keys_pre_rope),
+                 (made.state.values, read.state.values), (made.state.tokens, read.state.tokens)]:  # fmt: skip
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert read.state.binding == made.state.binding and read.state.text == made.state.text
+    path.write_bytes(path.read_bytes()[:100])  # a crash mid-copy, a full disk
+    quality._MEMO.clear()
+    again = quality.make_item(sender, receiver, text, 40, cache=tmp_path)
+    assert torch.equal(again.native_logprobs, made.native_logprobs) and path.stat().st_size > 100

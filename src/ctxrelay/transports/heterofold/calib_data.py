@@ -239,7 +239,8 @@ def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
     rows = [x for x in with_setting(old.get("rows", []), *stage_setting(old)) if keep(x)]
     table = [q for q in with_setting(art.quality.get("recompute", []), *stage_setting(old)) if keep(q)]
     runs = [v for v in _recompute_runs(old) if same_rule and _run_key(v) != _run_key(opts)]
-    res = calibrate_recompute(s, r, art, recompute_texts(r.tokenizer, opts), fracs, rule, tokens=n, hide=hide)
+    res = calibrate_recompute(s, r, art, recompute_texts(r.tokenizer, opts), fracs, rule, tokens=n, hide=hide,
+                              cache=paths.work_dir("heterofold", "items"))  # fmt: skip
     rows += res["recompute_rows"]
     table = sorted(table + res["recompute"], key=_by_setting)
     art.quality.update(recompute=table, estimate=estimate_entry(rows, rule))

@@ -16,6 +16,8 @@ transfer.py). The result goes into the artifact's quality:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from scipy.stats import spearmanr
 from tqdm import tqdm
@@ -113,10 +115,12 @@ def calibrate_recompute(
     suffix_tokens: int = 129,
     tokens: int = 2048,
     hide: int = 0,
+    cache: Path | None = None,
 ) -> dict:
     """{"recompute": [...], "estimate": {...}, "recompute_rows": [...]} for the artifact's quality; rows
-    and table entries carry `tokens`, the context length the texts were cut to."""
-    items = [heldout.make_item(sender, receiver, t, suffix_tokens) for t in tqdm(texts, desc="recompute items")]
+    and table entries carry `tokens`, the context length the texts were cut to. `cache`: a folder that
+    keeps each text's sender state and native reference (quality.make_item) for the next run."""
+    items = [heldout.make_item(sender, receiver, t, suffix_tokens, cache) for t in tqdm(texts, desc="recompute items")]
     table, rows = [], []
     for f in fractions:
         pooled = PooledQuality()
