@@ -94,11 +94,11 @@ class ToyPoints(ToyIdentity):
 
     name = "toy-points"
     estimates = {"cheap": 0.5, "good": 0.95}
+    calibrated = {"cheap": 0.95, "good": 0.97}  # top-1 agreement per point
 
     def operating_points(self, params, quality):
         return [
-            {"label": "cheap", "options": {"point": "cheap"}, "quality": {"top1_agreement": 0.95}},
-            {"label": "good", "options": {"point": "good"}, "quality": {"top1_agreement": 0.97}},
+            {"label": p, "options": {"point": p}, "quality": {"top1_agreement": q}} for p, q in self.calibrated.items()
         ]
 
     empty: tuple[str, ...] = ()  # points whose first token is end-of-sequence
@@ -163,3 +163,20 @@ def test_a_relay_that_would_answer_nothing_escalates(points_pool):
     t.empty = ("cheap", "good")
     res = pool.continue_from(state, a2.name, SUFFIX, max_new_tokens=2)
     assert res.transport == "native" and "good: the relayed first token ends the text" in res.reason
+
+
+def test_after_a_refusal_a_point_calibrated_no_better_is_not_tried(points_pool):
+    pool, a, a2, t = points_pool
+    # the better point is cheaper here (e.g. its estimate refuses fewer requests), so it goes first;
+    # once its estimate refuses this request, the worse point would serve it no better
+    t.calibrated = {"cheap": 0.97, "good": 0.95}
+    pool.refresh()
+    state = pool.prefill(a.name, SAMPLE_TEXT, tenant="acme")
+    res = pool.continue_from(state, a2.name, SUFFIX, max_new_tokens=2)
+    assert res.transport == "native", res.reason
+    assert "cheap: estimated top-1 0.50 < 0.85" in res.reason
+    assert "good: skipped (calibrated top-1 0.950, no better than a refused point)" in res.reason
+    # a refusal for an empty answer says nothing about quality: the next point is still tried
+    t.estimates, t.empty = {"cheap": 0.95, "good": 0.95}, ("cheap",)
+    res = pool.continue_from(state, a2.name, SUFFIX, max_new_tokens=2)
+    assert res.transport == "toy-points" and res.decision["point"] == "good", res.reason

@@ -214,10 +214,20 @@ class ModelPool:
         transport estimates THIS request below the threshold, try the next candidate. Each one's expected
         TTFT beats native prefill by the margin (the gate kept no other), and the refused relay's time is
         spent whichever way the request goes, so it does not count against the next (counting it sent
-        requests to native prefill when a relay left was still the faster way on).
+        requests to native prefill when a relay left was still the faster way on). After the estimate
+        refuses a point, later points of the same edge calibrated no better are skipped: they would
+        serve this request no better (cheapest-first can put the better point first, e.g. when it is
+        refused less often).
         Returns (RelayOutput, "") or (None, why native)."""
         tried: list[str] = []
+        low: dict[str, float] = {}  # edge -> the best calibrated top-1 its estimate refused for this request
         for i, c in enumerate(d.candidates):
+            top1 = c.quality.get("top1_agreement")
+            if top1 is not None and top1 <= low.get(c.edge.label, -1.0):
+                # a point calibrated no better than one the estimate just refused would serve this
+                # request no better: one more relay paid for nothing
+                tried.append(f"{c.label}: skipped (calibrated top-1 {top1:.3f}, no better than a refused point)")
+                continue
             if i:
                 d.choose(c, reason_for(c, d.predicted_native_s, threshold))
             ta = time.perf_counter()
@@ -229,6 +239,9 @@ class ModelPool:
             refused = _refusal(out, r, threshold) if check else ""
             if refused:
                 tried.append(f"{c.label}: {refused}")
+                est = out.info.get("estimate")
+                if est is not None and est < threshold and top1 is not None:
+                    low[c.edge.label] = max(low.get(c.edge.label, -1.0), top1)
                 timings["rejected_relay_s"] = timings.get("rejected_relay_s", 0.0) + time.perf_counter() - ta
                 continue
             est = out.info.get("estimate")

@@ -10,7 +10,8 @@ expected TTFT: the predicted TTFT, plus, where a trusted per-request estimate wi
 native prefill for the share of calibration texts that estimate refused (a refused relay is paid
 before native prefill). So a point that is fast when it passes but usually refused ranks behind a
 slower one that always serves. The relay layer tries the cheapest first and, when the transport's
-estimate for THIS request falls below the threshold, the next one: every candidate's expected TTFT
+estimate for THIS request falls below the threshold, the next one (skipping points of that edge
+calibrated no better than the refused one): every candidate's expected TTFT
 already beats native prefill by the margin, and what a refused relay cost is paid either way, so it
 does not count against the next. An exact transport (a model continuing from its own K/V)
 reproduces native prefill and skips it, so it needs no quality or cost check. Every decision
