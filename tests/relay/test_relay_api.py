@@ -128,6 +128,10 @@ def test_gate_refuses_when_quality_threshold_is_above_calibrated(tiny_by_family,
     graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r))
     d = decide(graph, _state(s), r.spec.weights_hash, 2048, quality_threshold=0.85)
     assert d.transport == "native" and "0.847 is below the threshold 0.85" in d.reason
+    _edge_artifact(tmp_path / "e.safetensors", s, r, top1=0.8499)  # nor "0.850 is below the threshold 0.85"
+    graph = TransportGraph.build([s, r], [tmp_path], _profile(s, r))
+    d = decide(graph, _state(s), r.spec.weights_hash, 2048, quality_threshold=0.85)
+    assert d.transport == "native" and "0.8499 is below the threshold 0.85" in d.reason
 
 
 def test_gate_refuses_a_point_that_loses_facts_and_names_the_recall(tiny_by_family, tmp_path):

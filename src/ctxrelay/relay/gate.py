@@ -184,8 +184,12 @@ def _recall(q: dict) -> str:
 
 
 def _below(q: float, threshold: float) -> str:
-    """q for a refusal: two decimals, three where two would print the threshold itself (0.847 < 0.85)."""
-    return f"{q:.2f}" if f"{q:.2f}" != f"{threshold:.2f}" else f"{q:.3f}"
+    """q for a refusal: two decimals, more where fewer would print the threshold itself (0.847 < 0.85,
+    0.8499 < 0.85)."""
+    for digits in range(2, 7):
+        if f"{q:.{digits}f}" != f"{threshold:.{digits}f}":
+            return f"{q:.{digits}f}"
+    return f"{q:.6f}"
 
 
 def quality_at(quality: dict, n_tokens: int) -> dict:
