@@ -167,6 +167,13 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
     marked = [{**x, "hide_translated": 12} if x["f"] > 0 else x for x in rows]
     (g,) = gate_replay(marked, {("s", "r"): ({}, {"recompute": hidden, "estimate": est})}, 0.85, 1.1)
     assert g["points"] == {"f=0.10 mix": 1, "f=0.20 mix": 1, "native": 1}
+    # in the gate's order (expected TTFT): the better point is the cheaper one here, so it goes first;
+    # where its estimate refuses (c), the worse point is skipped (the relay layer's rule): native after 1 s
+    swapped = [{**x, "relay_ttft_s": {0.1: 2.0, 0.2: 1.0}.get(x["f"], x["relay_ttft_s"])}
+               if x.get("kind") == "timing" else x for x in rows]  # fmt: skip
+    (g,) = gate_replay(swapped, {("s", "r"): ({}, {"recompute": table, "estimate": est})}, 0.85, 1.1)
+    assert g["points"] == {"f=0.20 mix": 2, "native": 1}
+    assert abs(g["speedup"] - 10.0 / ((1.0 + 1.0 + 11.0) / 3)) < 1e-9
 
 
 def test_a_quality_only_run_still_plots(tmp_path):

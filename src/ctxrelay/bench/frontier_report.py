@@ -180,10 +180,10 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 def _candidates(points: list[dict], timing: dict, key: tuple, threshold: float, margin: float) -> list[tuple]:
-    """(rule, f, relay_s, native_s) of the points passing the gate's checks, by f: calibrated top-1 at the
-    key's length and (where the artifact measured it) fact recall at the threshold, measured TTFT beating
-    native by the margin, also counting the relays a trusted per-request estimate refused on the
-    calibration texts."""
+    """(rule, f, hide, relay_s, native_s, top1) of the points passing the gate's checks, in the gate's
+    order (expected TTFT, gate.decide): calibrated top-1 at the key's length and (where the artifact
+    measured it) fact recall at the threshold, measured TTFT beating native by the margin, also counting
+    the relays a trusted per-request estimate refused on the calibration texts."""
     from ctxrelay.relay.gate import expected_with_refusals, quality_at, quality_refusal
 
     out = []
@@ -199,8 +199,9 @@ def _candidates(points: list[dict], timing: dict, key: tuple, threshold: float, 
                 t["relay_ttft_s"], t["native_ttft_s"], p["calibrated_estimates"], threshold
             )[0]
         if expected * margin < t["native_ttft_s"]:
-            out.append((p["selection"], p["f"], hide, t["relay_ttft_s"], t["native_ttft_s"]))
-    return out
+            out.append((expected, (p["selection"], p["f"], hide, t["relay_ttft_s"], t["native_ttft_s"],
+                                   p["top1_agreement"])))  # fmt: skip
+    return [c for _, c in sorted(out, key=lambda x: x[0])]
 
 
 def _points(params: dict, quality: dict) -> list[dict]:
@@ -212,12 +213,15 @@ def _points(params: dict, quality: dict) -> list[dict]:
 
 
 def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, threshold: float) -> dict:
-    """One request through the gate: the first candidate whose estimate passes, else native."""
+    """One request through the gate and the relay layer: the first candidate (in the gate's order) whose
+    estimate passes, skipping those calibrated no better than one it refused, else native."""
     from ctxrelay.transports.heterofold.recompute import estimate, trusts
 
     native = by_case.get((*key, "none", 0.0, 0), {})
-    spent = 0.0
-    for rule, f, hide, relay_s, native_s in cands:
+    spent, low = 0.0, -1.0  # low: the best calibrated top-1 the estimate refused for this request
+    for rule, f, hide, relay_s, native_s, top1 in cands:
+        if top1 <= low:  # the relay layer skips a point calibrated no better than a refused one
+            continue
         row = by_case.get((*key, rule, f, hide))
         if row is None:  # every candidate beats native by the margin: a refused one's time is spent either way
             break
@@ -231,6 +235,8 @@ def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, t
             return {"point": f"f={f:.2f} {rule}", "ttft_s": spent, "native_ttft_s": native_s,
                     "top1": row["top1_agreement"], "needle": row.get("needle_acc"), "ppl_ratio": ratio,
                     "native_needle": native.get("native_needle_acc"), "dataset": native.get("dataset")}  # fmt: skip
+        if e is not None and trusted and e < threshold:
+            low = max(low, top1)
     native_s = cands[0][4] if cands else None
     return {"point": "native", "ttft_s": spent + native_s if native_s else None, "native_ttft_s": native_s,
             "top1": 1.0, "needle": native.get("native_needle_acc"), "ppl_ratio": 1.0,
@@ -243,11 +249,12 @@ def gate_replay(rows: list[dict], artifacts: dict, threshold: float, margin: flo
 
     Per direction and length: the operating points whose calibrated top-1 (the artifact's recompute
     table) and fact recall (where the fact stage ran) meet `threshold` and whose measured TTFT (timing
-    rows) beats native by `margin`, cheapest first. Per request: relay at the first; accept when the
-    artifact's estimate for that request (from the row's signals; where the gate trusts it) meets the
-    threshold and the answer is not empty (the gate refuses a relay whose first token ends the text),
-    else pay that relay and try the next candidate (each beats native by the margin), else native
-    prefill. Answers, top-1 and TTFT come from the rows of the points tried."""
+    rows) beats native by `margin`, by expected TTFT (refusals counted) as the gate orders them. Per
+    request: relay at the first; accept when the artifact's estimate for that request (from the row's
+    signals; where the gate trusts it) meets the threshold and the answer is not empty (the gate refuses
+    a relay whose first token ends the text), else pay that relay and try the next candidate (each beats
+    native by the margin) that is calibrated better than any the estimate refused, else native prefill.
+    Answers, top-1 and TTFT come from the rows of the points tried."""
     timing = {_point_key(x): x for x in rows if x.get("kind") == "timing"}
     quality = [x for x in rows if x.get("kind") != "timing"]
     by_case = {(x["sender"], x["receiver"], x["case_key"], x["selection"], x["f"], x.get("hide_translated", 0)): x
