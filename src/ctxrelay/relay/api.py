@@ -237,14 +237,13 @@ class ModelPool:
                 log.warning("%s failed (%s); native prefill instead", c.label, e)
                 return None, f"{c.label} failed ({e}); native prefill instead"
             refused = _refusal(out, r, threshold) if check else ""
+            est = out.info.get("estimate")
             if refused:
                 tried.append(f"{c.label}: {refused}")
-                est = out.info.get("estimate")
                 if est is not None and est < threshold and top1 is not None:
                     low[c.edge.label] = max(low.get(c.edge.label, -1.0), top1)
                 timings["rejected_relay_s"] = timings.get("rejected_relay_s", 0.0) + time.perf_counter() - ta
                 continue
-            est = out.info.get("estimate")
             if est is not None:
                 d.reason += f"; estimated top-1 for this request {est:.2f}"
             if tried:
