@@ -52,15 +52,22 @@ class ReceiverText:
     queries: torch.Tensor  # [L_R, H, nq, d] post q-norm + RoPE queries of those rows
 
 
-def _cached(path: Path, make) -> dict[str, torch.Tensor]:
+def cached_file(path: Path, make, load=lambda tensors, manifest: tensors):
+    """`load(tensors, manifest)` of the calibration cache file at `path`; where there is none, or it is
+    damaged (unreadable, or missing what `load` needs), `make()` -> (tensors, manifest) is written there
+    first (atomically) and loaded."""
     if path.exists():
         try:
-            return tensorfile.read(path)[0]
-        except tensorfile.TensorFileError:
+            return load(*tensorfile.read(path))
+        except (tensorfile.TensorFileError, KeyError):
             path.unlink()  # damaged (e.g. interrupted by a crash before atomic writes existed): redo
-    tensors = make()
-    tensorfile.write(path, tensors, {"kind": "heterofold_calibration_cache"})
-    return tensors
+    tensors, manifest = make()
+    tensorfile.write(path, tensors, manifest)
+    return load(tensors, manifest)
+
+
+def _cached(path: Path, make) -> dict[str, torch.Tensor]:
+    return cached_file(path, lambda: (make(), {"kind": "heterofold_calibration_cache"}))
 
 
 def sender_text(m: LoadedModel, text: str, root: Path) -> SenderText:

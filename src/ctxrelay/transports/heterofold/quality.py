@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from ctxrelay import tensorfile
 from ctxrelay.artifact import Artifact
 from ctxrelay.metrics import PooledQuality, pooled_perplexity, token_nll
 from ctxrelay.models import runner
@@ -23,7 +22,7 @@ from ctxrelay.models.capture import capture_state
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids, tokenize_context
 from ctxrelay.state import ContextState
-from ctxrelay.transports.heterofold.data import model_key, text_key
+from ctxrelay.transports.heterofold.data import cached_file, model_key, text_key
 
 HORIZONS = (1, 16, 32, 128)
 
@@ -73,20 +72,20 @@ def make_item(
 def _cached_item(path: Path, make) -> HeldoutItem:
     """The item stored at `path`, else `make()` stored there. fp32 as computed: a cached stage measures
     exactly what an uncached one does. A damaged file is made again."""
-    if path.exists():
-        try:
-            tensors, manifest = tensorfile.read(path)
-            state = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("state.")}
-            return HeldoutItem(ContextState.from_tensors(state, manifest["state"], what=str(path)),
-                               tensors["suffix"], tensors["native_logprobs"], tensors["no_context_nll"])  # fmt: skip
-        except (tensorfile.TensorFileError, KeyError):
-            path.unlink()
-    item = make()
-    state, state_manifest = item.state.to_tensors()
-    tensors = {f"state.{k}": v for k, v in state.items()}
-    tensors.update(suffix=item.suffix, native_logprobs=item.native_logprobs, no_context_nll=item.no_context_nll)
-    tensorfile.write(path, tensors, {"kind": "heterofold_heldout_item", "state": state_manifest})
-    return item
+
+    def to_file() -> tuple[dict, dict]:
+        item = make()
+        state, state_manifest = item.state.to_tensors()
+        tensors = {f"state.{k}": v for k, v in state.items()}
+        tensors.update(suffix=item.suffix, native_logprobs=item.native_logprobs, no_context_nll=item.no_context_nll)
+        return tensors, {"kind": "heterofold_heldout_item", "state": state_manifest}
+
+    def load(tensors: dict, manifest: dict) -> HeldoutItem:
+        state = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("state.")}
+        return HeldoutItem(ContextState.from_tensors(state, manifest["state"], what=str(path)),
+                           tensors["suffix"], tensors["native_logprobs"], tensors["no_context_nll"])  # fmt: skip
+
+    return cached_file(path, to_file, load)
 
 
 @torch.inference_mode()
