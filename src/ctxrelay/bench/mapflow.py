@@ -202,8 +202,9 @@ def sender_timing(load, art, case: Case, plan_args: tuple, pairs: int) -> dict |
         m, params, case.context, pairs, {"warmup": 1, "sample_rows": 0, "exact_repeats": 0},
         plan_of=lambda cap: mapflow.map_capture_plan(m, capture_p, block, layers=layers, capture=cap),
     )  # fmt: skip
-    keep = ("capture", "native_s", "capture_s", "capture_overhead", "pair_overhead")
-    return {k: res[k] for k in (*keep, "native_times_s", "capture_times_s")}
+    keep = ("capture", "native_s", "capture_s", "capture_overhead", "pair_overhead", "native_times_s")
+    hook = ("hook_s", "hook_share") if capture == "sampled" else ()  # the exact capture has no hook: eager attention
+    return {k: res[k] for k in (*keep, "capture_times_s", *hook)}
 
 
 @dataclass
@@ -395,7 +396,8 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
 NOTES = (
     "relay_ttft_s: receiver TTFT (context through the reuse path + question natively + first token); the "
     "sender's prefill is excluded (it happened anyway), its extra cost for map capture is in "
-    "lengths.*.sender_timing (medians of interleaved native/capture pairs after a warm-up, first context); "
+    "lengths.*.sender_timing (medians of interleaved native/capture pairs after a warm-up, first context; hook_s: "
+    "the capture's own compute, timed inside its hook); "
     "end_to_end_speedup = (sender native + receiver native) / (sender with capture + receiver relayed). Quality "
     "over the teacher-forced continuation vs the receiver's native prefill; needle_acc over the contexts of that "
     "length. All computation fp32 on CPU, same process and threads as native."
