@@ -1,4 +1,4 @@
-"""The heterofold artifacts shipped in the package (the demo's directions), on the real zoo models."""
+"""The heterofold artifacts shipped in the package (the demo's directions, one from gemma3), on the zoo models."""
 
 import json
 from pathlib import Path
@@ -16,6 +16,7 @@ SHIPPED = [
     ("qwen2.5-coder-1.5b", "gemma3-270m"),
     ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"),  # same tokenizer, other size: beside mapflow's edge
     ("smollm2-135m", "gemma3-270m"),  # the small sender: the gate relays it with recompute
+    ("gemma3-270m", "qwen2.5-coder-0.5b"),  # relayed at f = 0.4 / 0.3 (2048 / 4096 tokens)
 ]
 
 
