@@ -186,7 +186,7 @@ def sender_state(
 def sender_timing(load, art, case: Case, plan_args: tuple, pairs: int) -> dict | None:
     """The sender's native prefill vs its prefill with the bench's capture (`sender_state`'s plan:
     capture_p, block, layers, capture) on one context: a warm-up of each, then `pairs` interleaved pairs
-    (bench mapflow-capture's overhead phase), medians."""
+    (bench mapflow-capture's overhead phase), medians; a sampled capture's hook time too (exact has no hook)."""
     from types import SimpleNamespace
 
     from ctxrelay.bench.mapflow_capture import overhead  # that module builds on this one
@@ -203,8 +203,7 @@ def sender_timing(load, art, case: Case, plan_args: tuple, pairs: int) -> dict |
         plan_of=lambda cap: mapflow.map_capture_plan(m, capture_p, block, layers=layers, capture=cap),
     )  # fmt: skip
     keep = ("capture", "native_s", "capture_s", "capture_overhead", "pair_overhead", "native_times_s")
-    hook = ("hook_s", "hook_share") if capture == "sampled" else ()  # the exact capture has no hook: eager attention
-    return {k: res[k] for k in (*keep, "capture_times_s", *hook)}
+    return {k: res[k] for k in (*keep, "capture_times_s", *(("hook_s", "hook_share") if capture == "sampled" else ()))}
 
 
 @dataclass
@@ -394,13 +393,12 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
 
 
 NOTES = (
-    "relay_ttft_s: receiver TTFT (context through the reuse path + question natively + first token); the "
-    "sender's prefill is excluded (it happened anyway), its extra cost for map capture is in "
-    "lengths.*.sender_timing (medians of interleaved native/capture pairs after a warm-up, first context; hook_s: "
-    "the capture's own compute, timed inside its hook); "
-    "end_to_end_speedup = (sender native + receiver native) / (sender with capture + receiver relayed). Quality "
-    "over the teacher-forced continuation vs the receiver's native prefill; needle_acc over the contexts of that "
-    "length. All computation fp32 on CPU, same process and threads as native."
+    "relay_ttft_s: receiver TTFT (context through the reuse path + question natively + first token); the sender's "
+    "prefill is excluded (it happened anyway), its extra cost for map capture is in lengths.*.sender_timing (medians "
+    "of interleaved native/capture pairs after a warm-up, first context; hook_s: the capture's own compute, timed "
+    "inside its hook); end_to_end_speedup = (sender native + receiver native) / (sender with capture + receiver "
+    "relayed). Quality over the teacher-forced continuation vs the receiver's native prefill; needle_acc over the "
+    "contexts of that length. All computation fp32 on CPU, same process and threads as native."
 )
 
 
