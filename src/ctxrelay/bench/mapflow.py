@@ -186,7 +186,7 @@ def sender_state(
 def sender_timing(load, art, case: Case, plan_args: tuple, pairs: int) -> dict | None:
     """The sender's native prefill vs its prefill with the bench's capture (`sender_state`'s plan:
     capture_p, block, layers, capture) on one context: a warm-up of each, then `pairs` interleaved pairs
-    (bench mapflow-capture's overhead phase), medians; a sampled capture's hook time too (exact has no hook)."""
+    (bench mapflow-capture's overhead phase), medians, and the time inside the capture's hook (None: exact, no hook)."""
     from types import SimpleNamespace
 
     from ctxrelay.bench.mapflow_capture import overhead  # that module builds on this one
@@ -202,8 +202,8 @@ def sender_timing(load, art, case: Case, plan_args: tuple, pairs: int) -> dict |
         m, params, case.context, pairs, {"warmup": 1, "sample_rows": 0, "exact_repeats": 0},
         plan_of=lambda cap: mapflow.map_capture_plan(m, capture_p, block, layers=layers, capture=cap),
     )  # fmt: skip
-    keep = ("capture", "native_s", "capture_s", "capture_overhead", "pair_overhead", "native_times_s")
-    return {k: res[k] for k in (*keep, "capture_times_s", *(("hook_s", "hook_share") if capture == "sampled" else ()))}
+    keep = ("capture", "native_s", "capture_s", "capture_overhead", "pair_overhead")
+    return {k: res[k] for k in (*keep, "native_times_s", "capture_times_s", "hook_s", "hook_share")}
 
 
 @dataclass

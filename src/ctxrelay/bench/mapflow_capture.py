@@ -59,7 +59,8 @@ DEFAULTS = {
 NOTES = (
     "overhead: sender prefill (capture_state, kv=False) with the capture the pool runs for the shipped artifact's "
     "edge vs without any capture, same process and threads; capture_overhead = median(capture)/median(native) - 1, "
-    "pair_overhead = median of the per-pair ratios - 1; hook_s = time spent inside the capture's hook (its compute). "
+    "pair_overhead = median of the per-pair ratios - 1; hook_s = time spent inside the capture's hook (its compute; "
+    "null for the exact capture, which has none). "
     "quality: relay through the shipped artifact from each pattern source vs the receiver's native prefill. "
     "operators: one layer's attention over the context with random q/k/v at the receiver's shapes; "
     "ideal_ms = density x sdpa_ms (SDPA's time at the kept-block fraction); fraction_of_ideal = ideal_ms / guided_ms."
@@ -138,6 +139,7 @@ def overhead(sender, art, text: str, repeats: int, opts: dict, plan_of=None) -> 
     cap_med = statistics.median(times[default_capture])
     pairs = [c / n for n, c in zip(times["native"], times[default_capture], strict=True)]
     rows = int(art.params.get("sample_rows", mapflow.SAMPLE_ROWS))
+    hook_s = statistics.median(hooks) if default_capture == "sampled" else None  # exact: eager attention, no hook
     out = {
         "source": f"sampled-{rows}" if default_capture == "sampled" else "exact",
         "capture": default_capture,
@@ -146,8 +148,8 @@ def overhead(sender, art, text: str, repeats: int, opts: dict, plan_of=None) -> 
         "capture_s": cap_med,
         "capture_overhead": cap_med / native_med - 1,
         "pair_overhead": statistics.median(pairs) - 1,
-        "hook_s": statistics.median(hooks),
-        "hook_share": statistics.median(hooks) / native_med,
+        "hook_s": hook_s,
+        "hook_share": None if hook_s is None else hook_s / native_med,
         "native_times_s": times["native"],
         "capture_times_s": times[default_capture],
         "cpu_share": {k: v for k, v in shares.items() if v},
