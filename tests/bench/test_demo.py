@@ -5,7 +5,7 @@ import json
 import pytest
 from rich.console import Console
 
-from ctxrelay.bench.demo import DemoConfig, run_demo
+from ctxrelay.bench.demo import DemoConfig, print_table, run_demo
 from ctxrelay.errors import UsageError
 from ctxrelay.relay import ModelPool
 from ctxrelay.relay.graph import Profile
@@ -36,6 +36,28 @@ def test_demo_rows_and_a_table_readable_in_100_columns(pool, tmp_path):
     doc = json.loads((tmp_path / "demo.json").read_text())
     assert doc["quality_threshold"] == 0.85 and doc["rows"] == rows
     assert (tmp_path / "profile.json").exists()  # the cost model was measured once
+
+
+def test_table_shows_the_native_answer_only_where_the_relay_differs():
+    base = {"transport": "heterofold", "recompute_fraction": 0.3, "relay_ttft_s": 2.5, "native_ttft_s": 6.5,
+            "speedup": 2.6, "reason": "r", "answer_token_f1": 1.0, "needle_acc": 1}  # fmt: skip
+    rows = [
+        dict(base, receiver="qwen2.5-coder-0.5b", answer="Copper-heron-42", native_answer="Copper-heron-42"),
+        dict(
+            base,
+            receiver="smollm2-135m",
+            answer="copper-heron-41 maybe",
+            native_answer="It is copper-heron-42.",
+            answer_token_f1=0.4,
+            needle_acc=0,
+        ),  # fmt: skip
+    ]
+    console = Console(record=True, width=100)
+    print_table(console, rows, "copper-heron-42")
+    out = console.export_text()
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "Copper-heron-42 " in out  # a passphrase is not folded in half
+    assert out.count("native: ") == 1 and "native: It is" in out and "F1 0.40" in out and "wrong" in out
 
 
 def test_demo_on_the_users_own_document(pool, tmp_path):

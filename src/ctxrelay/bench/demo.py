@@ -184,16 +184,19 @@ def _row(cfg: DemoConfig, state, receiver: str, native: RelayResult, relay: Rela
 def print_table(console: Console, rows: list[dict], gold: str | None) -> None:
     title = "receivers answering from the sender's state" + (f" (gold: {gold})" if gold else "")
     table = Table(title=title, show_lines=True, width=TABLE_WIDTH)
-    for col, width in (("receiver", 12), ("via", 10), ("f", 4), ("TTFT", 6), ("native", 6), ("x", 5),
-                       ("relay answer", 18), ("native answer", 18), ("same", 5)):  # fmt: skip
+    # one answer column (the native answer beneath it only where it differs): two answer columns
+    # folded a 15-character passphrase in half at this width
+    for col, width in (("receiver", 18), ("via", 10), ("f", 4), ("TTFT", 5), ("native", 6), ("x", 4),
+                       ("answer (relayed)", 40), ("same", 7)):  # fmt: skip
         table.add_column(col, overflow="fold", max_width=width)
     for r in rows:
         same = "yes" if r["answer"] == r["native_answer"] else f"F1 {r['answer_token_f1']:.2f}"
+        answer = r["answer"] if r["answer"] == r["native_answer"] else f"{r['answer']}\nnative: {r['native_answer']}"
         if "needle_acc" in r:
             same += f"\n{'right' if r['needle_acc'] else 'wrong'}"
         f = f"{r['recompute_fraction']:.2f}" if "recompute_fraction" in r else "-"
         table.add_row(r["receiver"], r["transport"], f, f"{r['relay_ttft_s']:.2f}", f"{r['native_ttft_s']:.2f}",
-                      f"{r['speedup']:.1f}", r["answer"], r["native_answer"], same)  # fmt: skip
+                      f"{r['speedup']:.1f}", answer, same)  # fmt: skip
     console.print(table)
     for i, r in enumerate(rows, 1):
         parts = ", ".join(f"{k[:-2]} {r[k]:.2f}" for k in TIMING_COLUMNS if k in r)
