@@ -330,7 +330,7 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
         ]
         free_sender()
         arts = [as_artifact(art, cfg) for _, _, cfg in vs]
-        acc = [dict(top1=0.0, kl=0.0, n=0, nll=[], native_nll=[], exact=[], info=None) for _ in vs]
+        acc = [dict(top1=0.0, kl=0.0, n=0, nll=[], native_nll=[], exact=[], info=[]) for _ in vs]
         native_exact, refs = [], []
         for ci, (case, st) in enumerate(zip(cases, states, strict=True)):
             ref = native_reference(r, st, case, opts)
@@ -343,7 +343,7 @@ def bench(model, sender, receiver, lengths, repeats, out, options, command) -> P
                 acc[k]["nll"].append(q["nll"])
                 acc[k]["native_nll"].append(q["native_nll"])
                 acc[k]["exact"].append(score_answer(q["answer"], case.answer)["exact"])
-                acc[k]["info"] = q["info"]
+                acc[k]["info"].append(q["info"])
         medians, times, comps = time_ttft(r, states[0], refs[0], arts, repeats)
         ops = operator_times(states[0], art, r, [float(x) for x in str(opts["p_list"]).split(",") if x])
         pair = None
@@ -423,7 +423,7 @@ def _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, 
     ppl, nppl = pooled_perplexity(a["nll"], hs), pooled_perplexity(a["native_nll"], hs)
     comp = {key: statistics.median(c[key] for c in comps[k]) for key in comps[k][0]}
     gap = max(abs(c["wall_s"] - sum(v for kk, v in c.items() if kk != "wall_s")) / c["wall_s"] for c in comps[k])
-    info = a["info"] or {}
+    dens = sorted({key for i in a["info"] for key in i if key.endswith("_density")})  # mean over the contexts
     return {
         "transport": transport,
         "method": method,
@@ -449,7 +449,7 @@ def _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, 
         "native_needle_acc": sum(native_exact) / len(native_exact),
         "contexts": len(a["exact"]),
         **_end_to_end(transport, pair, medians[0], medians[k + 1]),
-        **{k: v for k, v in info.items() if k.endswith("_density")},
+        **{key: statistics.mean(i[key] for i in a["info"] if key in i) for key in dens},
     }
 
 

@@ -214,6 +214,7 @@ def test_bench_end_to_end_on_tiny_models(artifact, pair, tmp_path, monkeypatch):
     assert timing["capture"] == "exact" and len(timing["native_times_s"]) == len(timing["capture_times_s"]) == 3
     assert timing["hook_s"] is None and timing["hook_share"] is None  # eager attention has no hook to time
     assert all(r["end_to_end_speedup"] > 0 for r in rows if r["transport"] == "mapflow")
+    assert all(0 < r["flex_density"] <= 1 for r in rows if r["transport"] == "flexprefill")  # mean over contexts
 
 
 def test_bench_capture_is_the_one_every_variant_can_read(artifact, pair):

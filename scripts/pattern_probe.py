@@ -1,0 +1,99 @@
+"""Probe: attention time of the shipped mapflow edge's guided pattern against the FlexPrefill-style pattern,
+all layers of qwen2.5-coder-0.5b, on the sender states `ctxrelay bench mapflow` cached for its contexts.
+
+    python scripts/pattern_probe.py FLEX_P OUT.json STATE.safetensors [STATE ...]
+
+The states are the bench's (`$CTXRELAY_CACHE/mapflow/bench-states/qwen2.5-coder-1.5b/`, newest first by
+time); each context's receiver q/k/v come from one native forward, then every layer's attention is timed
+natively (SDPA), on the edge's guided pattern and on the FlexPrefill-style pattern (its own last query
+block, at FLEX_P): a warm-up, then the median of 3. The operator is the same for both patterns, so the
+difference is the patterns' density. Run it alone (it is a timing run).
+"""
+
+import json
+import sys
+import time
+
+import torch
+
+from ctxrelay import paths, zoo
+from ctxrelay.artifact import Artifact
+from ctxrelay.bench.results import machine_facts
+from ctxrelay.models import runner
+from ctxrelay.models.attention import native_attention
+from ctxrelay.state import ContextState
+from ctxrelay.transports.mapflow import PART, guided
+from ctxrelay.transports.mapflow.reuse import ReuseConfig, select_maps
+from ctxrelay.transports.mapflow.sparse import maps_from_tensors
+
+RECEIVER = "qwen2.5-coder-0.5b"
+
+
+def median_ms(fn, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1000 * sorted(times)[repeats // 2]
+
+
+def probe_context(r, cfg: ReuseConfig, state: ContextState, flex_p: float) -> dict:
+    meta = state.parts_meta[PART]
+    maps = select_maps(maps_from_tensors(state.parts[PART], meta), cfg, float(meta.get("top_p", 1.0)))
+    calls = {}
+
+    def record(c):
+        calls[c.layer] = c
+        return native_attention(c)
+
+    layers = r.spec.num_layers
+    ms = {"sdpa": 0.0, "guided": 0.0, "flex": 0.0}
+    density = {"guided": 0.0, "flex": 0.0}
+    with torch.inference_mode():
+        runner.forward(r, state.tokens.view(-1), attention=dict.fromkeys(range(layers), record), logits="none")
+        for j in range(layers):
+            c = calls[j]
+            bm, w, kv = maps[cfg.mapping[j]], cfg.w[j], c.k.shape[1]
+            pats = {
+                "guided": guided.guided_pattern(bm, w, cfg.guided_p, kv, cfg.unit, cfg.top_p, cfg.local),
+                "flex": guided.flex_pattern(c, cfg.block, flex_p, cfg.unit, cfg.local),
+            }
+            for name, pat in pats.items():
+                density[name] += pat.density() / layers
+                ms[name] += median_ms(lambda c=c, pat=pat: guided.guided_attention(c, pat))
+            ms["sdpa"] += median_ms(lambda c=c: native_attention(c))
+    return {"tokens": state.num_tokens, "density": density, "attention_ms": ms}
+
+
+def main() -> None:
+    flex_p, out, states = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    torch.set_num_threads(2)
+    path = paths.PACKAGED_ARTIFACTS / paths.artifact_name("mapflow", "qwen2.5-coder-1.5b", RECEIVER)
+    art = Artifact.load(path)
+    cfg = ReuseConfig.from_params(art.params, art.tensors)
+    r = zoo.load(RECEIVER)
+    rows = []
+    for s in states:
+        row = probe_context(r, cfg, ContextState.load(s), flex_p)
+        rows.append(row)
+        print(row, flush=True)
+    total = {k: sum(x["attention_ms"][k] for x in rows) for k in ("sdpa", "guided", "flex")}
+    mean_density = {k: sum(x["density"][k] for x in rows) / len(rows) for k in ("guided", "flex")}
+    doc = {
+        "command": "python scripts/pattern_probe.py " + " ".join(sys.argv[1:3]) + " <the bench's states>",
+        "machine": machine_facts(),
+        "guided_p": cfg.guided_p,
+        "flex_p": flex_p,
+        "rows": rows,
+        "total_attention_ms": total,
+        "mean_density": mean_density,
+    }
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print("total attention ms", {k: round(v) for k, v in total.items()}, "mean density", mean_density)
+
+
+if __name__ == "__main__":
+    main()
