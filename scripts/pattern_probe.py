@@ -1,7 +1,7 @@
 """Probe: attention time of the shipped mapflow edge's guided pattern against the FlexPrefill-style pattern,
 all layers of qwen2.5-coder-0.5b, on the sender states `ctxrelay bench mapflow` cached for its contexts.
 
-    python scripts/pattern_probe.py FLEX_P OUT.json STATE.safetensors [STATE ...]
+    python scripts/pattern_probe.py FLEX_P NAME STATE.safetensors [STATE ...]   # benchmarks/results/NAME.json
 
 The states are the bench's (`$CTXRELAY_CACHE/mapflow/bench-states/qwen2.5-coder-1.5b/`, newest first by
 time); each context's receiver q/k/v come from one native forward, then every layer's attention is timed
@@ -10,7 +10,6 @@ block, at FLEX_P): a warm-up, then the median of 3. The operator is the same for
 difference is the patterns' density. Run it alone (it is a timing run).
 """
 
-import json
 import sys
 import time
 
@@ -18,7 +17,7 @@ import torch
 
 from ctxrelay import paths, zoo
 from ctxrelay.artifact import Artifact
-from ctxrelay.bench.results import machine_facts
+from ctxrelay.bench.results import write_results
 from ctxrelay.models import runner
 from ctxrelay.models.attention import native_attention
 from ctxrelay.state import ContextState
@@ -39,7 +38,7 @@ def median_ms(fn, repeats: int = 3) -> float:
     return 1000 * sorted(times)[repeats // 2]
 
 
-def probe_context(r, cfg: ReuseConfig, state: ContextState, flex_p: float) -> dict:
+def probe_context(r, cfg: ReuseConfig, state: ContextState, flex_p: float) -> list[dict]:
     meta = state.parts_meta[PART]
     maps = select_maps(maps_from_tensors(state.parts[PART], meta), cfg, float(meta.get("top_p", 1.0)))
     calls = {}
@@ -64,11 +63,18 @@ def probe_context(r, cfg: ReuseConfig, state: ContextState, flex_p: float) -> di
                 density[name] += pat.density() / layers
                 ms[name] += median_ms(lambda c=c, pat=pat: guided.guided_attention(c, pat))
             ms["sdpa"] += median_ms(lambda c=c: native_attention(c))
-    return {"tokens": state.num_tokens, "density": density, "attention_ms": ms}
+    n = state.num_tokens
+    return [
+        {"transport": "native", "method": "sdpa", "context_tokens": n, "attention_ms": ms["sdpa"]},
+        {"transport": "mapflow", "method": "guided", "context_tokens": n, "guided_p": cfg.guided_p,
+         "density": density["guided"], "attention_ms": ms["guided"]},
+        {"transport": "flexprefill", "method": "receiver-top-p", "context_tokens": n, "flex_p": flex_p,
+         "density": density["flex"], "attention_ms": ms["flex"]},
+    ]  # fmt: skip
 
 
 def main() -> None:
-    flex_p, out, states = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    flex_p, name, states = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
     torch.set_num_threads(2)
     path = paths.PACKAGED_ARTIFACTS / paths.artifact_name("mapflow", "qwen2.5-coder-1.5b", RECEIVER)
     art = Artifact.load(path)
@@ -76,23 +82,15 @@ def main() -> None:
     r = zoo.load(RECEIVER)
     rows = []
     for s in states:
-        row = probe_context(r, cfg, ContextState.load(s), flex_p)
-        rows.append(row)
-        print(row, flush=True)
-    total = {k: sum(x["attention_ms"][k] for x in rows) for k in ("sdpa", "guided", "flex")}
-    mean_density = {k: sum(x["density"][k] for x in rows) / len(rows) for k in ("guided", "flex")}
-    doc = {
-        "command": "python scripts/pattern_probe.py " + " ".join(sys.argv[1:3]) + " <the bench's states>",
-        "machine": machine_facts(),
-        "guided_p": cfg.guided_p,
-        "flex_p": flex_p,
-        "rows": rows,
-        "total_attention_ms": total,
-        "mean_density": mean_density,
+        rows += probe_context(r, cfg, ContextState.load(s), flex_p)
+        print(rows[-3:], flush=True)
+    total = {
+        t: sum(x["attention_ms"] for x in rows if x["transport"] == t) for t in ("native", "mapflow", "flexprefill")
     }
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print("total attention ms", {k: round(v) for k, v in total.items()}, "mean density", mean_density)
+    dens = {t: sum(x["density"] for x in rows if x["transport"] == t) / len(states) for t in ("mapflow", "flexprefill")}
+    command = f"python scripts/pattern_probe.py {flex_p} {name} <the bench's {len(states)} cached sender states>"
+    write_results(name, rows, command, {"total_attention_ms": total, "mean_density": dens})
+    print("total attention ms", {k: round(v) for k, v in total.items()}, "mean density", dens)
 
 
 if __name__ == "__main__":
