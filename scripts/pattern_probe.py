@@ -3,15 +3,15 @@ all layers of qwen2.5-coder-0.5b, on the sender states `ctxrelay bench mapflow` 
 
     python scripts/pattern_probe.py FLEX_P NAME STATE.safetensors [STATE ...]   # benchmarks/results/NAME.json
 
-The states are the bench's (`$CTXRELAY_CACHE/mapflow/bench-states/qwen2.5-coder-1.5b/`, newest first by
-time); each context's receiver q/k/v come from one native forward, then every layer's attention is timed
-natively (SDPA), on the edge's guided pattern and on the FlexPrefill-style pattern (its own last query
-block, at FLEX_P): a warm-up, then the median of 3. The operator is the same for both patterns, so the
-difference is the patterns' density. Run it alone (it is a timing run).
+The states are the bench's (`$CTXRELAY_CACHE/mapflow/bench-states/qwen2.5-coder-1.5b/`: after one bench run
+at 4096, `ls -tr` there lists its contexts last, in order). Each context's receiver q/k/v come from one native
+forward; then every layer's attention is timed natively (SDPA), on the edge's guided pattern and on the
+FlexPrefill-style pattern (its own last query block, at FLEX_P): a warm-up, then the median of 3. The
+operator is the same for both patterns, so the difference is the patterns' density. Run it alone (it is a
+timing run).
 """
 
 import sys
-import time
 
 import torch
 
@@ -21,6 +21,7 @@ from ctxrelay.bench.results import write_results
 from ctxrelay.models import runner
 from ctxrelay.models.attention import native_attention
 from ctxrelay.state import ContextState
+from ctxrelay.timing import median_time
 from ctxrelay.transports.mapflow import PART, guided
 from ctxrelay.transports.mapflow.reuse import ReuseConfig, select_maps
 from ctxrelay.transports.mapflow.sparse import maps_from_tensors
@@ -28,14 +29,8 @@ from ctxrelay.transports.mapflow.sparse import maps_from_tensors
 RECEIVER = "qwen2.5-coder-0.5b"
 
 
-def median_ms(fn, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * sorted(times)[repeats // 2]
+def median_ms(fn) -> float:
+    return 1000 * median_time(fn, repeats=3, warmup=1)[0]
 
 
 def probe_context(r, cfg: ReuseConfig, state: ContextState, flex_p: float) -> list[dict]:

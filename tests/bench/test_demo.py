@@ -50,7 +50,7 @@ def test_table_shows_the_native_answer_only_where_the_relay_differs():
             native_answer="It is copper-heron-42.",
             answer_token_f1=0.4,
             needle_acc=0,
-        ),  # fmt: skip
+        ),
     ]
     console = Console(record=True, width=100)
     print_table(console, rows, "copper-heron-42")
