@@ -18,11 +18,11 @@ import torch
 from ctxrelay import paths, zoo
 from ctxrelay.artifact import Artifact
 from ctxrelay.bench.results import write_results
-from ctxrelay.models import runner
 from ctxrelay.models.attention import native_attention
 from ctxrelay.state import ContextState
 from ctxrelay.timing import median_time
 from ctxrelay.transports.mapflow import PART, guided
+from ctxrelay.transports.mapflow.modes import native_calls
 from ctxrelay.transports.mapflow.reuse import ReuseConfig, select_maps
 from ctxrelay.transports.mapflow.sparse import maps_from_tensors
 
@@ -36,17 +36,11 @@ def median_ms(fn) -> float:
 def probe_context(r, cfg: ReuseConfig, state: ContextState, flex_p: float) -> list[dict]:
     meta = state.parts_meta[PART]
     maps = select_maps(maps_from_tensors(state.parts[PART], meta), cfg, float(meta.get("top_p", 1.0)))
-    calls = {}
-
-    def record(c):
-        calls[c.layer] = c
-        return native_attention(c)
-
     layers = r.spec.num_layers
     ms = {"sdpa": 0.0, "guided": 0.0, "flex": 0.0}
     density = {"guided": 0.0, "flex": 0.0}
     with torch.inference_mode():
-        runner.forward(r, state.tokens.view(-1), attention=dict.fromkeys(range(layers), record), logits="none")
+        calls = native_calls(r, state.tokens.view(-1), list(range(layers)))
         for j in range(layers):
             c = calls[j]
             bm, w, kv = maps[cfg.mapping[j]], cfg.w[j], c.k.shape[1]

@@ -190,8 +190,9 @@ def print_table(console: Console, rows: list[dict], gold: str | None) -> None:
                        ("answer (relayed)", 40), ("same", 7)):  # fmt: skip
         table.add_column(col, overflow="fold", max_width=width)
     for r in rows:
-        same = "yes" if r["answer"] == r["native_answer"] else f"F1 {r['answer_token_f1']:.2f}"
-        answer = r["answer"] if r["answer"] == r["native_answer"] else f"{r['answer']}\nnative: {r['native_answer']}"
+        agree = r["answer"] == r["native_answer"]
+        same = "yes" if agree else f"F1 {r['answer_token_f1']:.2f}"
+        answer = r["answer"] if agree else f"{r['answer']}\nnative: {r['native_answer']}"
         if "needle_acc" in r:
             same += f"\n{'right' if r['needle_acc'] else 'wrong'}"
         f = f"{r['recompute_fraction']:.2f}" if "recompute_fraction" in r else "-"

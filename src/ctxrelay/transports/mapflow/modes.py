@@ -47,6 +47,18 @@ def _ms(fn: Callable[[], object], repeats: int) -> float:
     return 1000 * median_time(fn, repeats, warmup=1)[0]
 
 
+def native_calls(receiver: LoadedModel, ids: torch.Tensor, layers: list[int]) -> dict[int, AttnCall]:
+    """The receiver's real attention inputs (q/k/v) of `layers`, recorded from one native prefill of `ids`."""
+    calls: dict[int, AttnCall] = {}
+
+    def record(c: AttnCall) -> torch.Tensor:
+        calls[c.layer] = c
+        return native_attention(c)
+
+    runner.forward(receiver, ids, attention=dict.fromkeys(layers, record), logits="none")
+    return calls
+
+
 def layer_costs(
     receiver: LoadedModel, item, cfg: ReuseConfig, w_replace: dict[int, torch.Tensor], repeats: int = 2
 ) -> dict[int, dict[str, float]]:
@@ -55,16 +67,10 @@ def layer_costs(
     The receiver's real q/k/v are recorded from one native prefill; each mode is timed with what it
     must build at relay time (replace: the BSR plan; guided: the pattern; hybrid: both patterns).
     """
-    calls: dict[int, AttnCall] = {}
-
-    def record(c: AttnCall) -> torch.Tensor:
-        calls[c.layer] = c
-        return native_attention(c)
-
     layers = [j for j, m in enumerate(cfg.modes) if m != "native"]
     maps = item.maps
     with torch.inference_mode():
-        runner.forward(receiver, item.ctx, attention=dict.fromkeys(layers, record), logits="none")
+        calls = native_calls(receiver, item.ctx, layers)
         out = {}
         for j in layers:
             c, bm, w = calls[j], maps[cfg.mapping[j]], cfg.w[j]
