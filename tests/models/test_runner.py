@@ -35,6 +35,13 @@ def test_mlp_in_chunks_of_rows_matches_the_whole_prefill_at_once(tiny, monkeypat
     assert (chunked - whole).abs().max() < 1e-5
 
 
+def test_tail_logits_are_the_last_rows_of_every_rows_logits(tiny):
+    ids = _ids(tiny)
+    whole = runner.forward(tiny, ids, logits="all").logits
+    for n in (1, 5, ids.numel()):
+        assert (runner.tail_logits(tiny, ids, n) - whole[-n:]).abs().max() < TOL
+
+
 def test_incremental_prefill_matches_one_shot(tiny):
     ids = _ids(tiny)
     whole = runner.forward(tiny, ids, logits="all").logits

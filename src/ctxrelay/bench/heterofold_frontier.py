@@ -199,7 +199,7 @@ def _signals(info: dict) -> dict:
     from ctxrelay.transports.heterofold.recompute import SIGNALS
 
     keep = ("recompute_fraction", "requested_fraction", "recomputed", "sentences", "estimate", *SIGNALS)
-    return {k: info[k] for k in (*keep, "first_token_p", "native_positions") if k in info}
+    return {k: info[k] for k in (*keep, "first_token_p", "native_positions", "own_layers") if k in info}
 
 
 def time_point(r, state, art, ref: NativeRef, rule: str, f: float, opts: dict, repeats: int) -> dict:

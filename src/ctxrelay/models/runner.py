@@ -260,6 +260,14 @@ def head(m: LoadedModel, h: torch.Tensor, which: Literal["last", "all"]) -> torc
     return logits
 
 
+def tail_logits(m: LoadedModel, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Next-token logits [n, V] at the last n of `ids` after a prefill of them all. The LM head runs on
+    those rows only: over every row it is T x V floats (into gemma3's 262k vocabulary at 4096 tokens,
+    4.4 GB) for the few rows a caller keeps."""
+    h = forward(m, ids, logits="none").hidden
+    return head(m, h[:, h.shape[1] - n :], "all")
+
+
 # ---- the loop ---------------------------------------------------------------------------------
 
 
@@ -375,6 +383,24 @@ def cache_from_pre_rope(m: LoadedModel, keys_pre_rope: torch.Tensor, values: tor
         cache.write(i, slice(0, t), finish_keys(m, i, k_raw, rope), v)
     cache.length = t
     return cache
+
+
+@torch.inference_mode()
+def early_kv(m: LoadedModel, ids: torch.Tensor, n_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The model's own K/V ([1, Hkv, T, d], keys after k-norm and RoPE at positions 0..T-1) of its first
+    `n_layers` layers for `ids`, exactly as native prefill makes them: layer 0's are projections of the
+    token embeddings alone (no attention), each further layer costs one full layer of prefill."""
+    t = ids.numel()
+    h = embed(m, ids.view(1, -1).to(m.device))
+    rope = rope_tables(m, torch.arange(t, device=m.device), h)
+    out = []
+    for i in range(n_layers):
+        x = attn_input(m, i, h)
+        k, v = finish_keys(m, i, project_k_raw(m, i, x), rope), project_v(m, i, x)
+        out.append((k, v))
+        if i + 1 < n_layers:
+            h = layer_output(m, i, h, native_attention(attn_call(m, i, project_q(m, i, x, rope), k, v, 0)))
+    return out
 
 
 @dataclass

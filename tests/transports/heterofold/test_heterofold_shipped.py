@@ -124,3 +124,5 @@ def test_full_recompute_reproduces_native_on_a_real_pair():
     assert (hidden.logits - native[-len(suffix) :]).abs().max() < 1e-3  # nothing translated is left to hide
     plain = relay_prefill(receiver, state, art, suffix, logits="all")
     assert (plain.logits - native[-len(suffix) :]).abs().max() > 1e-2  # the translation alone is not native
+    own = relay_prefill(receiver, state, art, suffix, logits="all", own_layers=receiver.spec.num_layers)
+    assert (own.logits - native[-len(suffix) :]).abs().max() < 1e-3  # its own K/V in every layer: native

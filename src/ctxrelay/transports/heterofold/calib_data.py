@@ -124,7 +124,9 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
     else the packaged or user artifact) and rewrites it (a run at another length or hide_layers adds
     its measurements beside the others', a run at the same replaces them); stage=refit refits the
     estimate from the stored rows and stage=keep --set fractions=... keeps only those fractions as
-    operating points (no model runs).
+    operating points (no model runs). own_layers=k (default 1 for new artifacts; artifacts without it
+    serve 0): the receiver's own K/V in its first k layers; given with stage=recompute or facts on an
+    artifact served with another k, it drops both stages' measurements first.
     """
     from ctxrelay import zoo
     from ctxrelay.transports import heterofold
@@ -142,6 +144,8 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
     if stage not in ("all", "recompute", "facts", "refit", "keep"):
         raise UsageError(f"unknown heterofold calibration stage {stage!r}: use all, recompute, facts, refit or keep")
     command = command or _command(sender, receiver, options)
+    if "own_layers" in cal_opts and stage in ("refit", "keep"):
+        raise UsageError("own_layers changes what the relay serves: set it with stage=recompute (or all), not " + stage)
     if stage == "refit":  # the estimate again from the recompute stage's stored rows (no model runs)
         return _refit(Path(out) if out else find_artifact(sender, receiver), command)
     if stage == "keep":  # only the listed fractions stay operating points (no model runs)
@@ -156,6 +160,8 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
         if not path.exists():
             raise UsageError(f"no heterofold artifact at {path} to add the {stage} stage to: calibrate it first")
         art = Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
+        if "own_layers" in cal_opts:
+            _set_own_layers(art, int(cal_opts["own_layers"]), r.spec.num_layers)
         if stage == "recompute":
             _add_recompute_stage(s, r, art, data_opts, command)
         else:  # hiding as the recompute stage's last run unless --set hide_layers says (0 included)
@@ -178,6 +184,23 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
     del s, r
     gc.collect()
     return path
+
+
+def _set_own_layers(art: Artifact, k: int, receiver_layers: int) -> None:
+    """Serve the artifact with the receiver's own K/V in its first k layers. What the recompute and fact
+    stages measured with another k described another relay: dropped (rerun them at each length)."""
+    if not 0 <= k <= receiver_layers:
+        raise UsageError(f"own_layers must be a layer count in 0..{receiver_layers}, got {k}")
+    if k == int(art.params.get("own_layers", 0)):
+        return
+    # the plain-translation report (quality's top level) stays as measured: say with which K/V
+    art.params.setdefault("report_own_layers", int(art.params.get("own_layers", 0)))
+    dropped = [name for name in ("recompute_stage", "facts_stage") if art.params.pop(name, None)]
+    for key in ("recompute", "facts", "estimate"):
+        art.quality.pop(key, None)
+    art.params["own_layers"] = k
+    if dropped:
+        print(f"own_layers={k}: dropped the {' and '.join(dropped)} measured with other K/V; rerun each at its lengths")
 
 
 def _refit(path: Path, command: str, keep: list[float] | None = None) -> Path:

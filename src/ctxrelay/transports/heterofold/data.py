@@ -144,7 +144,7 @@ def receiver_tail(m: LoadedModel, text: str, root: Path, n: int = 128, k: int = 
 
     def make():
         ids, _ = tokenize_context(m, text)
-        logits = runner.forward(m, ids, logits="all").logits[-n:]
+        logits = runner.tail_logits(m, ids, n)
         top = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
         return {"logp": top.values, "index": top.indices}
 

@@ -94,7 +94,7 @@ def _make_item(sender: LoadedModel, receiver: LoadedModel, text: str, suffix_tok
     state = capture_state(sender, context, tenant="calibration")
     suf = suffix_ids(receiver, rest)
     ctx_ids = context_ids(receiver, context)
-    native = runner.forward(receiver, torch.cat([ctx_ids, suf]), logits="all").logits[-len(suf) : -1]
+    native = runner.tail_logits(receiver, torch.cat([ctx_ids, suf]), len(suf))[:-1]
     alone = runner.forward(receiver, suf, logits="all").logits[:-1]
     return HeldoutItem(state, suf, torch.log_softmax(native.float(), -1), token_nll(alone, suf[1:]))
 

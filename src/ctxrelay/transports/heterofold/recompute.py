@@ -163,18 +163,11 @@ def layer1_deviation(m: LoadedModel, ids: torch.Tensor, cache: KVCache) -> torch
     """CacheBlend's signal: run layer 0 natively for every context token (its K/V replace the
     translated ones, as CacheBlend does) and return each token's K+V deviation at layer 1 [T]."""
     t = ids.shape[0]
-    h = runner.embed(m, ids.view(1, -1))
-    rope = runner.rope_tables(m, torch.arange(t), h)
-    x = runner.attn_input(m, 0, h)
-    q, k, v = runner.project_q(m, 0, x, rope), runner.project_k_raw(m, 0, x), runner.project_v(m, 0, x)
-    k = runner.finish_keys(m, 0, k, rope)
-    cache.write(0, slice(0, t), k, v)
-    h = runner.layer_output(m, 0, h, native_attention(runner.attn_call(m, 0, q, k, v, 0)))
-    if m.spec.num_layers < 2:
+    own = runner.early_kv(m, ids, min(2, m.spec.num_layers))
+    cache.write(0, slice(0, t), *own[0])
+    if len(own) < 2:
         return torch.zeros(t)
-    x = runner.attn_input(m, 1, h)
-    k1 = runner.finish_keys(m, 1, runner.project_k_raw(m, 1, x), rope)
-    v1 = runner.project_v(m, 1, x)
+    k1, v1 = own[1]
     kt, vt = cache.view(1, t)
     return ((k1 - kt).float().pow(2).sum((0, 1, 3)) + (v1 - vt).float().pow(2).sum((0, 1, 3))).sqrt()
 

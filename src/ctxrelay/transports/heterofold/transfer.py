@@ -76,6 +76,7 @@ def fill_native(m: LoadedModel, ids: torch.Tensor, cache: KVCache, positions: li
         runner.forward(m, ids[pos], cache, positions=pos, logits="none")
 
 
+@torch.inference_mode()
 def assemble_cache(
     receiver: LoadedModel,
     state: ContextState,
@@ -85,12 +86,15 @@ def assemble_cache(
     sw: Stopwatch | None = None,
     room: int = 0,
     native: bool = True,
+    own_layers: int = 0,
 ) -> tuple[KVCache, Alignment]:
     """The receiver cache for the context tokens `ids` (receiver tokenization of state.text) from the
     sender's K/V, with capacity for `room` more tokens; bindings must be checked already. Timed into
     `sw` as translate / copy / assemble. native=False leaves the sink and specials translated (zero
     rows): for a caller whose recompute pass computes them anyway (`fill_native` is a pass over every
-    weight of the receiver, however few its tokens)."""
+    weight of the receiver, however few its tokens). own_layers = k: the receiver's own K/V for every
+    context token in its first k layers instead of translated ones (layer 0's are projections of its
+    token embeddings, nearly free; each further layer costs one layer of prefill)."""
     sw = sw or Stopwatch()
     with sw("translate_s"):
         al = align_for(receiver, state, artifact, ids, offsets)
@@ -103,6 +107,8 @@ def assemble_cache(
         keys, values = translate(maps, send_k, send_v, al.src.to(receiver.device), s.num_kv_heads, s.head_dim)
     with sw("assemble_s"):
         cache = runner.cache_from_pre_rope(receiver, keys, values, room) if ids.numel() else KVCache.empty(receiver)
+        for i, (k, v) in enumerate(runner.early_kv(receiver, ids, own_layers) if ids.numel() else []):
+            cache.write(i, slice(0, ids.numel()), k, v)
         if ids.numel() and native:
             fill_native(receiver, ids, cache, al.native)
     return cache, al
@@ -121,6 +127,7 @@ def relay_prefill(
     attend: str = "all",
     hide_translated: int = 0,
     signals: Literal["estimate", "all"] = "estimate",
+    own_layers: int | None = None,
 ) -> RelayOutput:
     """Receiver cache for `state.text` from the sender's K/V, then `suffix_ids` natively.
 
@@ -134,6 +141,8 @@ def relay_prefill(
     signals="estimate" measures only the per-request signal the gate acts on (none where the artifact's
     estimate is not trusted); "all" measures every recompute signal and reports an untrusted estimate as
     info["estimate_unused"] (calibration and quality benchmarks). Neither changes the cache or logits.
+    own_layers = k: the receiver's own K/V for every context token in its first k layers (assemble_cache);
+    default: the artifact's params["own_layers"] (what its quality was calibrated with), else 0.
     """
     sw = Stopwatch()
     with sw("translate_s"):
@@ -142,6 +151,12 @@ def relay_prefill(
             raise UsageError(
                 f"hide_translated must be a layer count in 0..{receiver.spec.num_layers} for {receiver.name}, "
                 f"got {hide_translated}"
+            )
+        own_layers = int(artifact.params.get("own_layers", 0) if own_layers is None else own_layers)
+        if not 0 <= own_layers <= receiver.spec.num_layers:
+            raise UsageError(
+                f"own_layers must be a layer count in 0..{receiver.spec.num_layers} for {receiver.name}, "
+                f"got {own_layers}"
             )
         suffix = torch.as_tensor(suffix_ids, dtype=torch.long).view(-1)
         if signals not in ("estimate", "all"):
@@ -158,7 +173,7 @@ def relay_prefill(
     # one pass over the receiver's weights instead of two
     recomputing = recompute > 0 and ids.numel() > 0
     room = suffix.numel() + KVCache.BLOCK
-    cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw, room, native=not recomputing)
+    cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw, room, not recomputing, own_layers)
     picked = None
     # the estimate of this request's setting (its length, its hiding), where the stage fitted one per setting
     model = estimate_model(artifact.quality.get("estimate"), int(ids.numel()), int(hide_translated))
@@ -205,6 +220,8 @@ def relay_prefill(
     }
     if hide_translated > 0:
         info["hide_translated"] = int(hide_translated)
+    if own_layers:
+        info["own_layers"] = own_layers
     if picked is not None:
         info.update(
             recompute_fraction=picked.positions.numel() / max(1, ids.numel()),
