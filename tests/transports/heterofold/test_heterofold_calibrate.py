@@ -106,6 +106,7 @@ def test_calibrate_cross_family_artifact_resume_and_bindings(cache, tiny_by_fami
     art = calibrate(sender, receiver, TEXTS[:8], TEXTS[8:], opts, command="cmd", out=out)
     loaded = Artifact.load(out)
     assert loaded.command == "cmd" and loaded.params["method"] == "heterofold"
+    assert loaded.params["own_layers"] == 1  # new artifacts serve the receiver's own layer-0 K/V
     for key in ("top1_agreement", "kl", "ppl", "native_ppl", "no_context_ppl"):
         assert key in loaded.quality
     train = loaded.params["train"]
@@ -121,7 +122,7 @@ def test_calibrate_cross_family_artifact_resume_and_bindings(cache, tiny_by_fami
     assert again.quality["top1_agreement"] == art.quality["top1_agreement"]
     state = capture_state(sender, TEXTS[9], "t")
     out_relay = relay_prefill(receiver, state, loaded, torch.tensor([5, 6, 7]))
-    assert out_relay.logits.shape == (1, receiver.spec.vocab_size)
+    assert out_relay.logits.shape == (1, receiver.spec.vocab_size) and out_relay.info["own_layers"] == 1
     with pytest.raises(BindingError):
         relay_prefill(tiny_model("gemma3", seed=3), state, loaded, torch.tensor([5]))
 
@@ -134,6 +135,8 @@ def test_bad_options_are_clear_errors(cache, tiny_by_family):
         calibrate(m, m, TEXTS, TEXTS, {"method": "magic"})
     with pytest.raises(ValueError, match="held-out"):
         calibrate(m, m, TEXTS, [], {})
+    with pytest.raises(ValueError, match="own_layers must be a layer count"):
+        calibrate(m, m, TEXTS, TEXTS, {"own_layers": m.spec.num_layers + 1})
 
 
 def test_output_pca_truncation_is_optimal_for_the_data():
