@@ -34,10 +34,12 @@ VARIANTS = ("translated", "native-K", "native-V", "native-early", "native-late")
 
 @torch.inference_mode()
 def translated_cache(receiver: LoadedModel, state: ContextState, artifact: Artifact) -> tuple[KVCache, torch.Tensor]:
-    """The receiver cache relay_prefill assembles for the whole context (no suffix run)."""
+    """The receiver cache relay_prefill assembles for the whole context (no suffix run), with the receiver's
+    own K/V in as many first layers as the artifact serves (params["own_layers"])."""
     check_state(receiver, state, artifact)
     ids, offsets = tokenize_context(receiver, state.text)
-    return assemble_cache(receiver, state, artifact, ids, offsets)[0], ids
+    own = int(artifact.params.get("own_layers", 0))
+    return assemble_cache(receiver, state, artifact, ids, offsets, own_layers=own)[0], ids
 
 
 def mix(translated: KVCache, native: KVCache, variant: str) -> KVCache:
