@@ -38,8 +38,7 @@ def translated_cache(receiver: LoadedModel, state: ContextState, artifact: Artif
     own K/V in as many first layers as the artifact serves (params["own_layers"])."""
     check_state(receiver, state, artifact)
     ids, offsets = tokenize_context(receiver, state.text)
-    own = int(artifact.params.get("own_layers", 0))
-    return assemble_cache(receiver, state, artifact, ids, offsets, own_layers=own)[0], ids
+    return assemble_cache(receiver, state, artifact, ids, offsets)[0], ids
 
 
 def mix(translated: KVCache, native: KVCache, variant: str) -> KVCache:

@@ -189,8 +189,9 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
 def _set_own_layers(art: Artifact, k: int, receiver_layers: int) -> None:
     """Serve the artifact with the receiver's own K/V in its first k layers. What the recompute and fact
     stages measured with another k described another relay: dropped (rerun them at each length)."""
-    if not 0 <= k <= receiver_layers:
-        raise UsageError(f"own_layers must be a layer count in 0..{receiver_layers}, got {k}")
+    from ctxrelay.transports.heterofold.transfer import check_own_layers
+
+    k = check_own_layers(k, receiver_layers)
     if k == int(art.params.get("own_layers", 0)):
         return
     # the plain-translation report (quality's top level) stays as measured: say with which K/V

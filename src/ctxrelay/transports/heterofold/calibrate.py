@@ -33,7 +33,7 @@ from ctxrelay.transports.heterofold.e2e import train_e2e
 from ctxrelay.transports.heterofold.maps import ROLES, AffineMap, FoldMaps, layer_features
 from ctxrelay.transports.heterofold.recolor import Moments, fit_recolor, fit_ridge
 from ctxrelay.transports.heterofold.train import Corrections, feature_scales, train_corrections
-from ctxrelay.transports.heterofold.transfer import make_artifact
+from ctxrelay.transports.heterofold.transfer import check_own_layers, make_artifact
 
 METHODS = ("same-index", "ridge+ta", "recolor+ta", "heterofold")
 
@@ -145,8 +145,7 @@ def calibrate(
 ) -> Artifact:
     """Calibrate `options["method"]` for sender -> receiver; save the artifact to `out` if given."""
     cfg = CalibConfig.from_options(options)
-    if not 0 <= cfg.own_layers <= receiver.spec.num_layers:
-        raise ValueError(f"own_layers must be a layer count in 0..{receiver.spec.num_layers} for {receiver.name}")
+    check_own_layers(cfg.own_layers, receiver.spec.num_layers, receiver.name)
     if not texts_train or not texts_heldout:
         raise ValueError("calibration needs training texts and held-out texts (prompts only, no answers)")
     t_start = time.perf_counter()

@@ -76,6 +76,21 @@ def fill_native(m: LoadedModel, ids: torch.Tensor, cache: KVCache, positions: li
         runner.forward(m, ids[pos], cache, positions=pos, logits="none")
 
 
+def check_own_layers(k: int, layers: int, name: str = "") -> int:
+    """`k`, where it is a count of the receiver's first layers (0..layers); a clear error otherwise."""
+    if not 0 <= int(k) <= layers:
+        where = f" for {name}" if name else ""
+        raise UsageError(f"own_layers must be a layer count in 0..{layers}{where}, got {k}")
+    return int(k)
+
+
+def own_layers_of(artifact: Artifact, receiver: LoadedModel, own_layers: int | None = None) -> int:
+    """How many first layers get the receiver's own K/V: `own_layers` where given, else what the artifact
+    serves (params["own_layers"], what its quality was calibrated with; 0 for artifacts made before it)."""
+    k = artifact.params.get("own_layers", 0) if own_layers is None else own_layers
+    return check_own_layers(k, receiver.spec.num_layers, receiver.name)
+
+
 @torch.inference_mode()
 def assemble_cache(
     receiver: LoadedModel,
@@ -86,7 +101,7 @@ def assemble_cache(
     sw: Stopwatch | None = None,
     room: int = 0,
     native: bool = True,
-    own_layers: int = 0,
+    own_layers: int | None = None,
 ) -> tuple[KVCache, Alignment]:
     """The receiver cache for the context tokens `ids` (receiver tokenization of state.text) from the
     sender's K/V, with capacity for `room` more tokens; bindings must be checked already. Timed into
@@ -94,8 +109,10 @@ def assemble_cache(
     rows): for a caller whose recompute pass computes them anyway (`fill_native` is a pass over every
     weight of the receiver, however few its tokens). own_layers = k: the receiver's own K/V for every
     context token in its first k layers instead of translated ones (layer 0's are projections of its
-    token embeddings, nearly free; each further layer costs one layer of prefill)."""
+    token embeddings, nearly free; each further layer costs one layer of prefill); default: what the
+    artifact serves (own_layers_of)."""
     sw = sw or Stopwatch()
+    own_layers = own_layers_of(artifact, receiver, own_layers)
     with sw("translate_s"):
         al = align_for(receiver, state, artifact, ids, offsets)
         maps = FoldMaps.from_tensors(artifact.tensors, artifact.params["sources"])
@@ -142,7 +159,7 @@ def relay_prefill(
     estimate is not trusted); "all" measures every recompute signal and reports an untrusted estimate as
     info["estimate_unused"] (calibration and quality benchmarks). Neither changes the cache or logits.
     own_layers = k: the receiver's own K/V for every context token in its first k layers (assemble_cache);
-    default: the artifact's params["own_layers"] (what its quality was calibrated with), else 0.
+    default: what the artifact serves (own_layers_of).
     """
     sw = Stopwatch()
     with sw("translate_s"):
@@ -152,12 +169,7 @@ def relay_prefill(
                 f"hide_translated must be a layer count in 0..{receiver.spec.num_layers} for {receiver.name}, "
                 f"got {hide_translated}"
             )
-        own_layers = int(artifact.params.get("own_layers", 0) if own_layers is None else own_layers)
-        if not 0 <= own_layers <= receiver.spec.num_layers:
-            raise UsageError(
-                f"own_layers must be a layer count in 0..{receiver.spec.num_layers} for {receiver.name}, "
-                f"got {own_layers}"
-            )
+        own_layers = own_layers_of(artifact, receiver, own_layers)
         suffix = torch.as_tensor(suffix_ids, dtype=torch.long).view(-1)
         if signals not in ("estimate", "all"):
             raise UsageError(f"signals must be 'estimate' or 'all', not {signals!r}")
