@@ -20,17 +20,13 @@ from ctxrelay.artifact import Artifact
 from ctxrelay.bench.results import write_results
 from ctxrelay.models.attention import native_attention
 from ctxrelay.state import ContextState
-from ctxrelay.timing import median_time
+from ctxrelay.timing import median_ms
 from ctxrelay.transports.mapflow import PART, guided
 from ctxrelay.transports.mapflow.modes import native_calls
 from ctxrelay.transports.mapflow.reuse import ReuseConfig, select_maps
 from ctxrelay.transports.mapflow.sparse import maps_from_tensors
 
 RECEIVER = "qwen2.5-coder-0.5b"
-
-
-def median_ms(fn) -> float:
-    return 1000 * median_time(fn, repeats=3, warmup=1)[0]
 
 
 def probe_context(r, cfg: ReuseConfig, state: ContextState, flex_p: float) -> list[dict]:

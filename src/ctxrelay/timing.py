@@ -43,6 +43,11 @@ def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> 
     return statistics.median(times), times
 
 
+def median_ms(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
+    """median_time of `fn` in milliseconds (operator and layer timings)."""
+    return 1000 * median_time(fn, repeats, warmup)[0]
+
+
 def median_components(fn: Callable[[], dict[str, float]], repeats: int = 3, warmup: int = 1) -> dict[str, float]:
     """`fn` returns named component times; after `warmup` calls, the per-component median of `repeats`."""
     if repeats < 1:

@@ -42,9 +42,9 @@ def _cuda_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
 
 
 def _cpu_ms(fn: Callable[[], object], repeats: int) -> float:
-    from ctxrelay.timing import median_time
+    from ctxrelay.timing import median_ms
 
-    return round(1000 * median_time(fn, repeats, warmup=1)[0], 3)
+    return round(median_ms(fn, repeats), 3)
 
 
 def _torch_cuda_plan(plan):

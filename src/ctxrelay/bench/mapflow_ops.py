@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ctxrelay.models.attention import AttnCall
-from ctxrelay.timing import Stopwatch, median_time
+from ctxrelay.timing import Stopwatch, median_ms
 
 
 def random_call(receiver, layer: int, tokens: int, seed: int = 0) -> AttnCall:
@@ -25,7 +25,7 @@ def random_call(receiver, layer: int, tokens: int, seed: int = 0) -> AttnCall:
 
 
 def _ms(fn, repeats: int) -> float:
-    return round(1000 * median_time(fn, repeats, warmup=1)[0], 2)
+    return round(median_ms(fn, repeats), 2)
 
 
 def guided_operator_times(state, cfg, receiver, repeats: int = 3) -> dict:

@@ -21,7 +21,7 @@ from ctxrelay.metrics import PooledQuality
 from ctxrelay.models import runner
 from ctxrelay.models.attention import AttnCall, native_attention
 from ctxrelay.models.spec import LoadedModel
-from ctxrelay.timing import median_time
+from ctxrelay.timing import median_ms
 from ctxrelay.transports.mapflow import apply, guided
 from ctxrelay.transports.mapflow.reuse import ReuseConfig, context_pass
 
@@ -41,10 +41,6 @@ def evaluate(receiver: LoadedModel, items: list, cfg: ReuseConfig) -> dict:
     for item in items:
         pooled.add(item.native, relay_suffix_logits(receiver, item, cfg))
     return pooled.result()
-
-
-def _ms(fn: Callable[[], object], repeats: int) -> float:
-    return 1000 * median_time(fn, repeats, warmup=1)[0]
 
 
 def native_calls(receiver: LoadedModel, ids: torch.Tensor, layers: list[int]) -> dict[int, AttnCall]:
@@ -89,10 +85,10 @@ def layer_costs(
                 return guided.guided_attention(c, flex.union(pattern()))
 
             out[j] = {
-                "native": _ms(lambda c=c: native_attention(c), repeats),
-                "guided": _ms(lambda c=c, pattern=pattern: guided.guided_attention(c, pattern()), repeats),
-                "hybrid": _ms(hybrid, repeats),
-                "replace": _ms(replace, repeats),
+                "native": median_ms(lambda c=c: native_attention(c), repeats),
+                "guided": median_ms(lambda c=c, pattern=pattern: guided.guided_attention(c, pattern()), repeats),
+                "hybrid": median_ms(hybrid, repeats),
+                "replace": median_ms(replace, repeats),
             }
     return out
 
