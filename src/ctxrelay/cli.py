@@ -206,14 +206,18 @@ def profile(
     merge: bool = typer.Option(
         False, help="keep the profile's measurements at other lengths and refit over all (extend it to longer requests)"
     ),
+    refit: bool = typer.Option(False, help="measure nothing: fit the installed profile's cost models to their samples"),
 ) -> None:
     """Measure native prefill and every edge's transport cost on this machine; refit the cost model."""
     from ctxrelay import paths
     from ctxrelay.bench.demo import text_for
     from ctxrelay.relay.api import ModelPool
     from ctxrelay.relay.graph import Profile
-    from ctxrelay.relay.profile import profile_pool
+    from ctxrelay.relay.profile import profile_pool, refit_profile
 
+    if refit:
+        console.print(f"[green]profile refitted:[/] {refit_profile(paths.profile_path())}")
+        return
     n = set_threads(threads or None)
     names = [m for m in models.split(",") if m]
     pool = ModelPool(names) if merge else ModelPool(names, profile=Profile())

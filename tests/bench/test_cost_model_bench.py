@@ -5,7 +5,7 @@ import pytest
 from ctxrelay.bench import cost_model
 from ctxrelay.bench.demo import text_for
 from ctxrelay.relay.graph import Profile
-from ctxrelay.relay.profile import profile_pool
+from ctxrelay.relay.profile import profile_pool, refit_profile
 from ctxrelay.serve.testing import relay_pool
 
 
@@ -41,6 +41,32 @@ def test_predicted_vs_measured_rows_and_plot(pool, tmp_path):
         assert r["within_tolerance"] == (abs(r["error"]) <= 0.15)
     assert all(r["sender"] == list(pool.models)[0] for r in rows if r["transport"] == "heterofold")
     assert cost_model.plot(rows, 0.15, tmp_path / "cm.png").stat().st_size > 0
+
+
+def test_refit_and_judging_earlier_measurements_again(pool, tmp_path):
+    """`ctxrelay profile --refit` fits the stored samples again (nothing measured); the bench's
+    `measured=` option judges an earlier run's measurements with the profile as it is now."""
+    from ctxrelay.errors import UsageError
+
+    profile_pool(pool, text_for, [64, 128, 256], repeats=1)
+    path = tmp_path / "profile.json"
+    r = pool.models[list(pool.models)[1]].spec.weights_hash
+    pool.profile.native[r].coeffs["prefill_s"] = [5.0, 0.0, 0.0]  # a fit gone stale
+    pool.profile.save(path)
+    assert refit_profile(path) == path
+    refitted = Profile.load(path).native[r]
+    assert refitted.samples == pool.profile.native[r].samples
+    assert refitted.total(128) < 1.0  # the tiny model's prefill, not the stale 5 s
+    with pytest.raises(UsageError, match="run `ctxrelay profile` first"):
+        refit_profile(tmp_path / "none.json")
+    rows = cost_model.measure(pool, [96], repeats=1, tol=0.15)
+    again = cost_model.predicted_again(pool, rows, 0.15)
+    assert [(a["transport"], a["model"], a["point"], a["measured_s"]) for a in again] == [
+        (b["transport"], b["model"], b["point"], b["measured_s"]) for b in rows
+    ]
+    assert [a["predicted_s"] for a in again] == pytest.approx([b["predicted_s"] for b in rows])
+    unknown = cost_model.predicted_again(pool, [{**rows[0], "model": "not-in-the-pool"}], 0.15)
+    assert "predicted_s" not in unknown[0]  # kept, unjudged
 
 
 def test_validation_text_stays_inside_the_window(tiny_by_family):

@@ -267,6 +267,21 @@ def test_cost_model_fits_and_predicts():
         assert cm.total(n) == pytest.approx(0.1 + 2e-4 * n + 1e-8 * n * n, rel=1e-3)
 
 
+def test_cost_model_fits_relative_error_so_long_lengths_do_not_decide_short_ones():
+    """The long samples 10% off (one slow, one fast: a loaded machine) must not move the short
+    predictions as much: the fit weighs each length by its relative error, as the gate compares times
+    (fitted to absolute error, 512 and 1024 tokens read 15% and 9% high here)."""
+    true = lambda n: 3e-3 * n + 6e-8 * n * n
+    noise = {4096: 1.1, 8000: 0.9}
+    samples = [(n, {"prefill_s": true(n) * noise.get(n, 1.0)}) for n in (512, 1024, 2048, 4096, 8000)]
+    cm = CostModel.fit(samples)
+    for n in (512, 1024):
+        assert cm.total(n) == pytest.approx(true(n), rel=0.04)
+    assert cm.total(8000) == pytest.approx(true(8000), rel=0.1)
+    zero = CostModel.fit([(n, {"copy_s": 0.0, "a": 1e-3 * n}) for n in (256, 512, 1024)])  # all-zero: no crash
+    assert zero.predict(2048)["copy_s"] == pytest.approx(0.0, abs=1e-12)
+
+
 def test_gate_judges_a_point_at_the_requests_length(tiny_by_family, tmp_path):
     """A recompute point calibrated at two context lengths passes a request at the length where its
     top-1 holds and is refused, naming the length, where it does not; between them it interpolates."""

@@ -19,14 +19,18 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ctxrelay.bench.plots import plot_path, save_figure
-from ctxrelay.bench.results import bench_options, write_results
+from ctxrelay.bench.results import bench_options, read_results, write_results
 from ctxrelay.data.datasets import essay_haystack
 from ctxrelay.errors import UsageError
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.relay.api import ModelPool
 from ctxrelay.relay.profile import edge_models, measure_native, measure_point
 
-OPTIONS = {"models": "qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m", "tolerance": 0.15}
+OPTIONS = {
+    "models": "qwen2.5-coder-1.5b,qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m",
+    "tolerance": 0.15,
+    "measured": "",  # an earlier run's results: judge its measurements again with the installed profile (no timing)
+}
 WINDOW_MARGIN = 64  # probe suffix + a few tokens of tokenizer drift between the text's models
 
 
@@ -75,6 +79,28 @@ def measure(pool: ModelPool, lengths: Sequence[int], repeats: int, tol: float) -
     return rows
 
 
+def predicted_again(pool: ModelPool, earlier: list[dict], tol: float) -> list[dict]:
+    """An earlier run's measured rows judged with the installed profile (after a refit of the cost model:
+    the measurements stand, only the predictions change). A row the pool cannot place is kept unjudged."""
+    prof = pool.profile
+    native = {m.spec.name: prof.native.get(m.spec.weights_hash) for m in pool.models.values()}
+    edges = {}
+    for e in pool.graph.edges:
+        if e.exact:
+            continue
+        sender, receiver = edge_models(pool, e)
+        for p in e.points:
+            edges[(e.transport, sender.spec.name, receiver.spec.name, p.label)] = prof.edges.get(e.point_key(p))
+    rows = []
+    for r in earlier:
+        key = (r["transport"], r.get("sender", ""), r["model"], r["point"])
+        cm = native.get(r["model"]) if r["transport"] == "native" else edges.get(key)
+        predicted = cm.total(int(r["context_tokens"])) if cm else None
+        row = _row(r["transport"], r["model"], r["point"], int(r["context_tokens"]), predicted, r["components"], tol)
+        rows.append({**row, **({"sender": r["sender"]} if "sender" in r else {})})
+    return rows
+
+
 def plot(rows: list[dict], tol: float, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
@@ -114,7 +140,10 @@ def bench(
     if not pool.profile.native:
         raise UsageError(f"no profile at {pool.profile_path}: run `ctxrelay profile` first (this bench checks it)")
     tol = float(opts["tolerance"])
-    rows = measure(pool, lengths, repeats, tol)
+    if opts["measured"]:  # no timing: the earlier run's measurements, the installed profile's predictions
+        rows = predicted_again(pool, read_results(str(opts["measured"]))["rows"], tol)
+    else:
+        rows = measure(pool, lengths, repeats, tol)
     judged = [r for r in rows if "within_tolerance" in r]
     by_kind = {k: [r for r in judged if r["transport"] == k] for k in sorted({r["transport"] for r in judged})}
     extra = {

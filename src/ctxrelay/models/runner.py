@@ -39,23 +39,26 @@ class KVCache:
         self._k, self._v = list(keys), list(values)
         self.length = (keys[0].shape[2] if keys else 0) if length is None else length
         self.reallocations = 0  # times the buffers grew (a test watches this)
-        # entries hidden from every later query in layers < hidden_layers (see hide); positions past
-        # the mask (the appended question, decoded tokens) are visible
+        # entries hidden from every later query in layers hidden_from..hidden_layers-1 (see hide);
+        # positions past the mask (the appended question, decoded tokens) are visible
         self.hidden: torch.Tensor | None = None
         self.hidden_layers = 0
+        self.hidden_from = 0
 
-    def hide(self, hidden: torch.Tensor, layers: int) -> None:
+    def hide(self, hidden: torch.Tensor, layers: int, first: int = 0) -> None:
         """Hide the entries where `hidden` ([length] bool) is True from every query past them (positions
-        >= length: what is appended and decoded later), in layers 0..layers-1 (heterofold: translated
+        >= length: what is appended and decoded later), in layers first..layers-1 (heterofold: translated
         entries kept from the question and the answer in the early layers, where they bent more than they
-        told). A query at one of the masked positions (recomputing it) is not affected. layers=0 shows
+        told; `first`: the layers below it hold the receiver's own entries, nothing translated to hide).
+        A query at one of the masked positions (recomputing it) is not affected. layers <= first shows
         everything again."""
-        if layers <= 0:
-            self.hidden, self.hidden_layers = None, 0
+        if layers <= max(0, first):
+            self.hidden, self.hidden_layers, self.hidden_from = None, 0, 0
             return
         if hidden.shape != (self.length,):
             raise ValueError(f"hidden must be a bool mask of the cache's {self.length} positions")
         self.hidden, self.hidden_layers = hidden.to(torch.bool).clone(), int(layers)
+        self.hidden_from = max(0, int(first))
 
     def visible(self, n: int, qpos: torch.Tensor | None = None) -> torch.Tensor | None:
         """[n] bool of the positions a query may see in the layers below hidden_layers (None: all); with
@@ -124,6 +127,7 @@ class KVCache:
         out = KVCache([k.clone() for k in self.keys], [v.clone() for v in self.values])
         if self.hidden is not None:  # the mask as held: shorter than length once a question is appended
             out.hidden, out.hidden_layers = self.hidden[: self.length].clone(), self.hidden_layers
+            out.hidden_from = self.hidden_from
         return out
 
     def nbytes(self) -> int:
@@ -336,7 +340,7 @@ def forward(
                 capture.vals.append(v[0].transpose(0, 1).clone())
         cache.write(i, where, finish_keys(m, i, k_raw, rope), v)
         k_all, v_all = cache.view(i, end)
-        mask = early_mask if i < cache.hidden_layers else key_mask
+        mask = early_mask if cache.hidden_from <= i < cache.hidden_layers else key_mask
         call = attn_call(m, i, q, k_all, v_all, start, qpos, mask)
         if capture is not None and capture.on_qk is not None and (capture.qk_layers is None or i in capture.qk_layers):
             capture.on_qk(call)

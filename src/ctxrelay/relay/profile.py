@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from ctxrelay import paths, transports
+from ctxrelay.errors import UsageError
 from ctxrelay.models import runner
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
@@ -90,6 +92,20 @@ def _merged(old: CostModel | None, new: list[tuple[int, dict[str, float]]]) -> C
     # the same text length gives token counts a few apart across tokenizers: 5% counts as the same length
     kept = [s for s in (old.samples if old else []) if all(abs(s[0] - n) > 0.05 * n for n in lengths)]
     return CostModel.fit(sorted(kept + new, key=lambda s: s[0]))
+
+
+def refit_profile(path: Path) -> Path:
+    """The profile at `path` with every cost model fitted again to its own samples (after a change of
+    CostModel.fit; nothing is measured), written back in place."""
+    if not path.exists():
+        raise UsageError(f"no profile at {path}: run `ctxrelay profile` first")
+    prof = Profile.load(path)
+    for models in (prof.native, prof.edges):
+        for key, cm in models.items():
+            if cm.samples:
+                models[key] = CostModel.fit(cm.samples)
+    prof.save(path)
+    return path
 
 
 def profile_pool(

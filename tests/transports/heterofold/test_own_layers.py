@@ -41,6 +41,31 @@ def test_own_kv_in_every_layer_reproduces_native_prefill(tiny_by_family, s, r, f
 
 
 @pytest.mark.parametrize(("s", "r"), PAIRS)
+@pytest.mark.parametrize("f", [0.0, 0.3])
+def test_hiding_hides_translated_entries_only_not_the_receivers_own(tiny_by_family, s, r, f):
+    """Own K/V in every layer and every layer hidden: nothing translated is left, so the question sees
+    the whole context and the relay is native prefill exactly (before, it hid the receiver's own entries)."""
+    sender, receiver = tiny_by_family[s], tiny_by_family[r]
+    state = capture_state(sender, SAMPLE_TEXT, "t")
+    suffix = suffix_ids(receiver, QUESTION)
+    native = _native_logits(receiver, suffix)[-len(suffix) :]
+    art, layers = zero_artifact(sender, receiver), receiver.spec.num_layers
+    kw = {"logits": "all", "recompute": f, "own_layers": layers}
+    out = relay_prefill(receiver, state, art, suffix, hide_translated=layers, **kw)
+    assert (out.logits - native).abs().max() < TOL
+    # one own layer: hiding k layers hides layers 1..k-1, the same as hiding k layers where layer 0 shows all
+    ids, offsets = tokenize_context(receiver, SAMPLE_TEXT)
+    cache, _ = assemble_cache(receiver, state, art, ids, offsets, room=len(suffix), own_layers=1)
+    hidden = torch.ones(ids.numel(), dtype=torch.bool)
+    hidden[0] = False  # the sink stays visible, as the relay keeps it
+    cache.hide(hidden, 2, first=1)
+    assert (cache.hidden_from, cache.hidden_layers) == (1, 2)
+    assert cache.clone().hidden_from == 1
+    cache.hide(hidden, 1, first=1)  # no layer left between first and layers: nothing hidden
+    assert cache.hidden is None and cache.hidden_layers == 0
+
+
+@pytest.mark.parametrize(("s", "r"), PAIRS)
 def test_own_layer_zero_replaces_layer_zero_alone(tiny_by_family, s, r):
     sender, receiver = tiny_by_family[s], tiny_by_family[r]
     state = capture_state(sender, SAMPLE_TEXT, "t")

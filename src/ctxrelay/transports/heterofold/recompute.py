@@ -419,10 +419,11 @@ def recompute(
 
 @torch.inference_mode()
 def hiding_gap(m: LoadedModel, cache: KVCache, first_id: torch.Tensor, served: torch.Tensor, translated: torch.Tensor,
-               hide: int) -> float:  # fmt: skip
+               hide: int, first: int = 0) -> float:  # fmt: skip
     """Total variation between the receiver's next-token distributions after the suffix's first token as
     served (`served`: its hidden row [1, 1, D], the translated entries hidden in the first `hide` layers)
-    and with the other hiding: none where the point hides, every layer where it does not. A request whose
+    and with the other hiding: none where the point hides, every layer from `first` (the receiver's own
+    layers hide nothing) where it does not. A request whose
     answer leans on what the translated entries say moves when they are hidden. Measured: a probe
     (scripts/hide_gap_probe.py, smollm2 -> gemma3 at 2048, f = 0.2 hiding 12, 18 texts) ranked per-text
     top-1 agreement at Spearman -0.91, but the recompute stage's 24 texts per f at the same point at -0.45,
@@ -430,18 +431,18 @@ def hiding_gap(m: LoadedModel, cache: KVCache, first_id: torch.Tensor, served: t
     one one-token pass over the receiver's weights and two LM-head rows; the cache (entries, length,
     hiding) is left as it was."""
     t = translated.numel()
-    held = cache.length, cache.hidden, cache.hidden_layers
+    held = cache.length, cache.hidden, cache.hidden_layers, cache.hidden_from
     saved = [
         (cache.keys[j][:, :, t : t + 1].clone(), cache.values[j][:, :, t : t + 1].clone())
         for j in range(m.spec.num_layers)
     ]
     try:
         cache.length = t
-        cache.hide(translated, 0 if hide else m.spec.num_layers)
+        cache.hide(translated, 0 if hide else m.spec.num_layers, first)
         other = runner.forward(m, first_id.view(1), cache, logits="none").hidden[:, -1:]
     finally:
         for j, (k, v) in enumerate(saved):
             cache.write(j, slice(t, t + 1), k, v)
-        cache.length, cache.hidden, cache.hidden_layers = held
+        cache.length, cache.hidden, cache.hidden_layers, cache.hidden_from = held
     p = torch.softmax(runner.head(m, torch.cat([served, other], 1), "all").float(), -1)
     return float(0.5 * (p[0] - p[1]).abs().sum())

@@ -154,7 +154,8 @@ def relay_prefill(
     context token runs natively so there are next-token logits. logits="all" returns logits for every
     suffix position (quality benchmarks); the contract is "last". hide_translated = k > 0: the suffix
     and every token decoded after it do not see the translated entries in the receiver's first k
-    layers, only the native and recomputed ones (the artifact's recompute stage measures k).
+    layers, only the native and recomputed ones (the artifact's recompute stage measures k); the first
+    own_layers layers hold the receiver's own entries for every token and hide nothing.
     signals="estimate" measures only the per-request signal the gate acts on (none where the artifact's
     estimate is not trusted); "all" measures every recompute signal and reports an untrusted estimate as
     info["estimate_unused"] (calibration and quality benchmarks). Neither changes the cache or logits.
@@ -199,7 +200,7 @@ def relay_prefill(
                 fill_native(receiver, ids, cache, al.native)
     if hide_translated > 0 and ids.numel():  # hidden from the suffix and later tokens, not from recomputed ones
         with sw("assemble_s"):
-            cache.hide(translated_mask(ids.numel(), al.native, picked), hide_translated)
+            cache.hide(translated_mask(ids.numel(), al.native, picked), hide_translated, own_layers)
     measured: dict = {}
     # with recompute the suffix runs in the recompute pass (one read of the receiver's weights, not two):
     # recompute_s holds the suffix's rows (and the hiding gap where measured), first_token_s the LM head
@@ -210,7 +211,8 @@ def relay_prefill(
             if "hiding_gap" in wanted:  # the first suffix row again under the other hiding
                 first_row = out.hidden[:, -suffix.numel() :][:, :1]
                 mask = translated_mask(ids.numel(), al.native, picked)
-                measured["hiding_gap"] = hiding_gap(receiver, cache, suffix[:1], first_row, mask, hide_translated)
+                hide_args = (mask, hide_translated, own_layers)
+                measured["hiding_gap"] = hiding_gap(receiver, cache, suffix[:1], first_row, *hide_args)
     with sw("first_token_s"):
         if merged:
             hidden = out.hidden[:, -suffix.numel() :]
