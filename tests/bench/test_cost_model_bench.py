@@ -67,6 +67,8 @@ def test_refit_and_judging_earlier_measurements_again(pool, tmp_path):
     assert [a["predicted_s"] for a in again] == pytest.approx([b["predicted_s"] for b in rows])
     unknown = cost_model.predicted_again(pool, [{**rows[0], "model": "not-in-the-pool"}], 0.15)
     assert "predicted_s" not in unknown[0]  # kept, unjudged
+    with pytest.raises(UsageError, match="not the rows of a `bench cost-model` run"):
+        cost_model.predicted_again(pool, [{"method": "guided", "speedup": 1.2}], 0.15)
 
 
 def test_validation_text_stays_inside_the_window(tiny_by_family):

@@ -91,6 +91,9 @@ def predicted_again(pool: ModelPool, earlier: list[dict], tol: float) -> list[di
         sender, receiver = edge_models(pool, e)
         for p in e.points:
             edges[(e.transport, sender.spec.name, receiver.spec.name, p.label)] = prof.edges.get(e.point_key(p))
+    need = ("transport", "model", "point", "context_tokens", "components")
+    if not earlier or any(not isinstance(r, dict) or any(k not in r for k in need) for r in earlier):
+        raise UsageError(f"measured=: not the rows of a `bench cost-model` run (each needs {', '.join(need)})")
     rows = []
     for r in earlier:
         key = (r["transport"], r.get("sender", ""), r["model"], r["point"])

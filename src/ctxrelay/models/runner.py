@@ -61,7 +61,8 @@ class KVCache:
         self.hidden_from = max(0, int(first))
 
     def visible(self, n: int, qpos: torch.Tensor | None = None) -> torch.Tensor | None:
-        """[n] bool of the positions a query may see in the layers below hidden_layers (None: all); with
+        """[n] bool of the positions a query may see in the hidden layers (hidden_from..hidden_layers-1;
+        None: all); with
         the queries' positions `qpos` where some lie inside the hidden mask, [len(qpos), n] rows, those
         queries' all True (a recomputed context token sees what it would without hiding)."""
         if self.hidden is None:
