@@ -62,9 +62,8 @@ class KVCache:
 
     def visible(self, n: int, qpos: torch.Tensor | None = None) -> torch.Tensor | None:
         """[n] bool of the positions a query may see in the hidden layers (hidden_from..hidden_layers-1;
-        None: all); with
-        the queries' positions `qpos` where some lie inside the hidden mask, [len(qpos), n] rows, those
-        queries' all True (a recomputed context token sees what it would without hiding)."""
+        None: all); with the queries' positions `qpos` where some lie inside the hidden mask, [len(qpos), n]
+        rows, those queries' all True (a recomputed context token sees what it would without hiding)."""
         if self.hidden is None:
             return None
         vis = torch.ones(n, dtype=torch.bool, device=self.hidden.device)
