@@ -38,7 +38,8 @@ class CostModel:
     def fit(samples: list[tuple[int, dict[str, float]]]) -> CostModel:
         """Non-negative quadratic per component, fitted to relative error: the gate compares times as
         ratios, and an absolute fit let the longest lengths' seconds decide the short ones (profiled at
-        524-8003 tokens, qwen-0.5b's native prefill at 1027 tokens was predicted 22% high, 13% so)."""
+        524-8003 tokens, qwen-0.5b's native prefill at 1027 tokens was predicted 22% high by an absolute
+        fit, 13% by this one)."""
         if not samples:
             raise ValueError("cannot fit a cost model to no measurements")
         comps = sorted({c for _, d in samples for c in d})
