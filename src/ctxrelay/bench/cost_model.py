@@ -50,10 +50,15 @@ def _row(kind: str, name: str, label: str, n_tokens: int, predicted: float | Non
     return row
 
 
+def edge_points(pool: ModelPool) -> list[tuple]:
+    """(edge, point, sender, receiver) of every operating point the gate costs (exact edges need no model)."""
+    return [(e, p, *edge_models(pool, e)) for e in pool.graph.edges if not e.exact for p in e.points]
+
+
 def measure(pool: ModelPool, lengths: Sequence[int], repeats: int, tol: float) -> list[dict]:
     """Predicted vs measured for every model's native prefill and every edge point, at each length."""
     prof = pool.profile
-    points = [(e, p) for e in pool.graph.edges if not e.exact for p in e.points]
+    points = edge_points(pool)
     bar = tqdm(total=len(lengths) * (len(pool.models) + len(points)), desc="cost-model", unit="pt")
     rows = []
     for n in lengths:
@@ -63,9 +68,8 @@ def measure(pool: ModelPool, lengths: Sequence[int], repeats: int, tol: float) -
             cm = prof.native.get(m.spec.weights_hash)
             rows.append(_row("native", m.spec.name, "", tokens, cm.total(tokens) if cm else None, measured, tol))
             bar.update()
-        for e, p in points:
+        for e, p, sender, receiver in points:
             bar.set_postfix_str(f"{e.label} {p.label} @ {n}")
-            sender, receiver = edge_models(pool, e)
             window = receiver.spec.context_window
             text = validation_text(sender, min(n, window - 2 * WINDOW_MARGIN) if window else n)
             tokens, measured = measure_point(pool, e, p, text, repeats)
@@ -84,13 +88,8 @@ def predicted_again(pool: ModelPool, earlier: list[dict], tol: float) -> list[di
     the measurements stand, only the predictions change). A row the pool cannot place is kept unjudged."""
     prof = pool.profile
     native = {m.spec.name: prof.native.get(m.spec.weights_hash) for m in pool.models.values()}
-    edges = {}
-    for e in pool.graph.edges:
-        if e.exact:
-            continue
-        sender, receiver = edge_models(pool, e)
-        for p in e.points:
-            edges[(e.transport, sender.spec.name, receiver.spec.name, p.label)] = prof.edges.get(e.point_key(p))
+    edges = {(e.transport, sender.spec.name, receiver.spec.name, p.label): prof.edges.get(e.point_key(p))
+             for e, p, sender, receiver in edge_points(pool)}  # fmt: skip
     need = ("transport", "model", "point", "context_tokens", "components")
     if not earlier or any(not isinstance(r, dict) or any(k not in r for k in need) for r in earlier):
         raise UsageError(f"measured=: not the rows of a `bench cost-model` run (each needs {', '.join(need)})")

@@ -198,9 +198,12 @@ def relay_prefill(
         if not picked.positions.numel():  # a budget that rounds to no token: plain heterofold
             with sw("assemble_s"):
                 fill_native(receiver, ids, cache, al.native)
-    if hide_translated > 0 and ids.numel():  # hidden from the suffix and later tokens, not from recomputed ones
+    translated = None  # the positions still holding translated K/V: what hiding hides, what the gap compares
+    if ids.numel() and (hide_translated > 0 or "hiding_gap" in wanted):
         with sw("assemble_s"):
-            cache.hide(translated_mask(ids.numel(), al.native, picked), hide_translated, own_layers)
+            translated = translated_mask(ids.numel(), al.native, picked)
+            if hide_translated > 0:  # hidden from the suffix and later tokens, not from recomputed ones
+                cache.hide(translated, hide_translated, own_layers)
     measured: dict = {}
     # with recompute the suffix runs in the recompute pass (one read of the receiver's weights, not two):
     # recompute_s holds the suffix's rows (and the hiding gap where measured), first_token_s the LM head
@@ -210,9 +213,8 @@ def relay_prefill(
             out, measured = recompute_positions(receiver, ids, cache, picked.positions, attend, wanted, suffix)
             if "hiding_gap" in wanted:  # the first suffix row again under the other hiding
                 first_row = out.hidden[:, -suffix.numel() :][:, :1]
-                mask = translated_mask(ids.numel(), al.native, picked)
-                hide_args = (mask, hide_translated, own_layers)
-                measured["hiding_gap"] = hiding_gap(receiver, cache, suffix[:1], first_row, *hide_args)
+                gap = hiding_gap(receiver, cache, suffix[:1], first_row, translated, hide_translated, own_layers)
+                measured["hiding_gap"] = gap
     with sw("first_token_s"):
         if merged:
             hidden = out.hidden[:, -suffix.numel() :]
