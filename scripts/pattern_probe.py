@@ -41,7 +41,7 @@ def probe_context(r, cfg: ReuseConfig, state: ContextState, flex_p: float) -> li
             c = calls[j]
             bm, w, kv = maps[cfg.mapping[j]], cfg.w[j], c.k.shape[1]
             pats = {
-                "guided": guided.guided_pattern(bm, w, cfg.guided_p, kv, cfg.unit, cfg.top_p, cfg.local),
+                "guided": cfg.guided_pattern(bm, w, kv),
                 "flex": guided.flex_pattern(c, cfg.block, flex_p, cfg.unit, cfg.local),
             }
             for name, pat in pats.items():

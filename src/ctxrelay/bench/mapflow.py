@@ -51,6 +51,7 @@ BENCH_DEFAULTS = {
     "p_list": "0.8,0.9,0.95",
     "r_list": "",  # extra r for the frontier (default: artifact r + 4 and + 8)
     "gp_list": "0.8",  # extra guided top-p values for the frontier (at the artifact's p)
+    "gs_list": "",  # other guided selections (row | global) at the artifact's guided p and at each of gp_list
     "methods": "mapflow,guided,hybrid,replace,iam,flex",
     "flex_p": "0.8,0.9",  # FlexPrefill-style baseline's top-p values
     "sender_pairs": 3,  # interleaved native/capture sender prefills on the first context (end to end); 0: skip
@@ -90,6 +91,7 @@ def cases_for(tokenizer, n_tokens: int, count: int, cont: int, seed: int) -> lis
 
 def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
     """(transport, method label, artifact variant) for every row to measure."""
+    from ctxrelay.transports.mapflow.guided import SELECTS
     from ctxrelay.transports.mapflow.mixing import one_hot_w, proportional_heads
     from ctxrelay.transports.mapflow.reuse import ReuseConfig
 
@@ -108,10 +110,12 @@ def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
     gps = [float(x) for x in str(opts["gp_list"]).split(",") if x]
     mapping_all = mapping
 
-    def cfg(modes, w, p, mapping=None, flex_p=base.flex_p, guided_p=base.guided_p):
+    def cfg(modes, w, p, mapping=None, flex_p=base.flex_p, guided_p=base.guided_p, select=base.guided_select):
         mapping = mapping or [mapping_all[j] if m not in ("native", "flex") else -1 for j, m in enumerate(modes)]
         ww = {j: w[j] for j, m in enumerate(modes) if m in ("replace", "guided", "hybrid")}
-        return ReuseConfig(modes, mapping, ww, p, guided_p, base.unit, flex_p, base.block, base.local)
+        return ReuseConfig(
+            modes, mapping, ww, p, guided_p, base.unit, flex_p, base.block, base.local, guided_select=select
+        )
 
     def with_r(modes, r):
         return ["native"] * r + modes[r:]
@@ -126,6 +130,11 @@ def variants(art, receiver, opts: dict) -> list[tuple[str, str, object]]:
         for gp in gps:
             if gp != base.guided_p:
                 out.append(("mapflow", base.method(), cfg(base.modes, art_w, base.top_p, guided_p=gp)))
+        for gs in [x for x in str(opts["gs_list"]).split(",") if x and x != base.guided_select]:
+            if gs not in SELECTS:
+                raise UsageError(f"gs_list: unknown guided selection {gs!r}; use {', '.join(SELECTS)}")
+            for gp in sorted({base.guided_p, *gps}):
+                out.append(("mapflow", base.method(), cfg(base.modes, art_w, base.top_p, guided_p=gp, select=gs)))
     every_guided = with_r(["guided"] * lr, r0)
     if "guided" in want and base.method() != "guided":
         for p in ps:
@@ -433,6 +442,7 @@ def _row(transport, method, cfg, sender, receiver, n, medians, times, comps, k, 
         "r": cfg.r,
         "top_p": cfg.top_p,
         "guided_p": cfg.guided_p,
+        "guided_select": cfg.guided_select,
         "flex_p": cfg.flex_p,
         "modes": cfg.counts(),
         "native_ttft_s": medians[0],
@@ -462,39 +472,25 @@ def _end_to_end(transport: str, pair: dict | None, native_s: float, relay_s: flo
 
 
 def plot(rows: list[dict], path: Path, sender: str, receiver: str) -> Path:
-    """Quality (top-1 agreement) vs TTFT speedup, one marker per length, one colour per method."""
-    import matplotlib
+    """Quality (top-1 agreement) vs TTFT speedup, one colour per method and length."""
+    from ctxrelay.bench.plots import scatter_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
-    markers = {n: m for n, m in zip(sorted({r["context_tokens"] for r in rows}), "os^Dv", strict=False)}
-    colours = {}
+    points: dict[str, tuple[list[float], list[float]]] = {}
     for row in rows:
         if row["transport"] == "native":
             continue
         label = f"{row['transport']}/{row['method']}"
-        c = colours.setdefault(label, f"C{len(colours)}")
-        ax.scatter(
-            row["speedup"],
-            row["top1_agreement"],
-            color=c,
-            marker=markers[row["context_tokens"]],
-            s=30,
-            label=label if label not in ax.get_legend_handles_labels()[1] else None,
-        )
-    for n, mk in markers.items():
-        ax.scatter([], [], color="grey", marker=mk, label=f"{n} tokens")
-    ax.axvline(1.0, color="grey", lw=0.8)
-    ax.axvline(1.10, color="red", ls=":", lw=0.8)
-    ax.axhline(0.85, color="red", ls=":", lw=0.8)
-    ax.set_xlabel("TTFT speedup vs native receiver prefill (x)")
-    ax.set_ylabel("top-1 next-token agreement with native")
-    ax.set_title(f"mapflow {sender} -> {receiver}: quality vs TTFT (bar: dotted)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+        if row.get("guided_select", "row") != "row" and row["transport"] == "mapflow":
+            label += f" ({row['guided_select']} top-p)"
+        xs, ys = points.setdefault(f"{label} @{row['context_tokens']}", ([], []))
+        xs.append(row["speedup"])
+        ys.append(row["top1_agreement"])
+    return scatter_plot(
+        path,
+        points,
+        xlabel="TTFT speedup vs native receiver prefill (x)",
+        ylabel="top-1 next-token agreement with native",
+        title=f"mapflow {sender} -> {receiver} (grey: native speed, top-1 0.9)",
+        hline=0.9,
+        vline=1.0,
+    )

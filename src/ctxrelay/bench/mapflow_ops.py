@@ -51,7 +51,7 @@ def guided_operator_times(state, cfg, receiver, repeats: int = 3) -> dict:
     per_layer, parts = [], Stopwatch()
     for j in layers:
         bm = maps[cfg.mapping[j]]
-        pat = guided.guided_pattern(bm, cfg.w[j], cfg.guided_p, s.num_kv_heads, cfg.unit, cfg.top_p, cfg.local)
+        pat = cfg.guided_pattern(bm, cfg.w[j], s.num_kv_heads)
         spent = _ms(lambda pat=pat: guided.guided_attention(call, pat), repeats)
         per_layer.append({"layer": j, "density": round(pat.density(), 4), "guided_ms": spent})
         guided.guided_attention(call, pat, sw=parts)
@@ -114,10 +114,10 @@ def operator_times(state, art, receiver, ps: list[float], repeats: int = 3) -> d
             row["replace_prepare_ms"] = ms(lambda bm=bm: apply.prepare_replace(bm))
             row["replace_ms"] = ms(lambda plan=plan: apply.replace_attention(plan, w, call.v))
         for unit in ("group", "head"):
-            pat = guided.guided_pattern(bm_full, w, cfg.guided_p, s.num_kv_heads, unit, p)
+            pat = cfg.guided_pattern(bm_full, w, s.num_kv_heads, unit=unit, top_p=p, local=0)
             row[f"guided_{unit}_density"] = round(pat.density(), 4)
             row[f"guided_{unit}_pattern_ms"] = ms(
-                lambda unit=unit, p=p: guided.guided_pattern(bm_full, w, cfg.guided_p, s.num_kv_heads, unit, p)
+                lambda unit=unit, p=p: cfg.guided_pattern(bm_full, w, s.num_kv_heads, unit=unit, top_p=p, local=0)
             )
             row[f"guided_{unit}_ms"] = ms(lambda pat=pat: guided.guided_attention(call, pat))
         out[f"p={p}"] = row

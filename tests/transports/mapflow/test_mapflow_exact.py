@@ -122,3 +122,16 @@ def test_r_layers_native_then_reuse(tiny):
     with torch.inference_mode():
         _, h = reuse.context_pass(tiny, ids, maps, cfg)
     assert (runner.head(tiny, h, "last") - native).abs().max() < TOL
+
+
+def test_guided_select_travels_in_the_edge_params_and_older_edges_select_per_row(tiny):
+    cfg = _identity_config(tiny, "guided")
+    assert cfg.guided_select == "row"
+    cfg.guided_select = "global"
+    again = reuse.ReuseConfig.from_params(cfg.to_params(), cfg.w_tensors())
+    assert again.guided_select == "global"
+    older = {k: v for k, v in cfg.to_params().items() if k != "guided_select"}
+    assert reuse.ReuseConfig.from_params(older, cfg.w_tensors()).guided_select == "row"
+    with pytest.raises(ValueError, match="guided selection 'columns'"):
+        reuse.ReuseConfig.from_params({**older, "guided_select": "columns"}, cfg.w_tensors())
+

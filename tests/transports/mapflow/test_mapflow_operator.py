@@ -59,6 +59,36 @@ def test_guided_operator_matches_dense_masked_softmax(unit, window, softcap):
     assert (out - ref).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("p", [0.5, 0.8, 0.95])
+def test_global_guided_selection_keeps_p_of_each_units_mass_in_the_fewest_tiles(p):
+    """select="global": per unit, the heaviest tiles until p of the unit's whole (mixed) mass; per-row
+    top-p must reach p in every row instead (fewer raw tiles for global, though the always-kept diagonal and
+    sink blocks added to both can in principle tip the final count)."""
+    t, hs, hr, hkv, b = 160, 6, 8, 2, 16
+    bm, w = random_maps(t, hs, b, extra=3, seed=4), _w(hs, hr, 5)
+    mixed = torch.einsum("kh,kqn->hqn", w, guided.sender_block_mass(bm)).view(hkv, hr // hkv, 10, 10).mean(1)
+    glob = guided.guided_pattern(bm, w, p, hkv, "group", select="global").to_mask()
+    row = guided.guided_pattern(bm, w, p, hkv, "group", select="row").to_mask()
+    for u in range(hkv):
+        flat = mixed[u].flatten()
+        need = int((flat.sort(descending=True).values.cumsum(0) < p * flat.sum()).sum()) + 1  # fewest tiles
+        picked = glob[u].flatten() & (flat > 0)
+        assert (mixed[u] * glob[u]).sum() >= p * flat.sum() - 1e-6
+        assert ((mixed[u] * row[u]).sum(-1) >= p * mixed[u].sum(-1) - 1e-6).all()
+        assert picked.sum() <= need + glob[u].diagonal().sum() + glob[u][:, 0].sum()  # + the always-kept blocks
+    assert glob.sum() < row.sum()  # these maps: per-row keeps more (it need not in general: see the docstring)
+    with pytest.raises(ValueError, match="guided selection"):
+        guided.guided_pattern(bm, w, p, hkv, "group", select="column")
+
+
+def test_guided_operator_matches_dense_on_a_global_pattern():
+    t, hs, hr, hkv, d, b = 150, 6, 8, 2, 16, 16
+    c = _call(t, hr, hkv, d)
+    pat = guided.guided_pattern(random_maps(t, hs, b, extra=2, seed=1), _w(hs, hr, 2), 0.8, hkv, select="global")
+    out = guided.guided_attention(c, pat, max_elems=5000)
+    assert (out - guided.pattern_attention_dense(c, pat)).abs().max() < 1e-5
+
+
 def test_guided_full_pattern_is_native_attention():
     c = _call(130, 8, 2, 16)
     out = guided.guided_attention(c, guided.full_pattern(130, 8, 16))

@@ -7,7 +7,10 @@ share a key head: they then share one gathered K/V slab and one larger matmul). 
 block (local context) and block 0 (the attention sink) are always kept.
 
 Patterns come from:
-  - `guided_pattern`: the W-mixed block masses of the sender layer's kept tiles, top-p per row;
+  - `guided_pattern`: the W-mixed block masses of the sender layer's kept tiles, top-p per row, or
+    top-p over all of a unit's tiles at once ("global": the fewest tiles that keep p of the unit's
+    whole mass; rows whose mass is spread thin give up blocks to rows where few blocks hold most of
+    it, so it keeps more mass per computed tile than per-row top-p);
   - `flex_pattern`: the receiver's own last query block (a FlexPrefill-style baseline);
   - `full_pattern`: every causal block (exactness checks: must reproduce native attention).
 """
@@ -26,6 +29,8 @@ from ctxrelay.timing import Stopwatch
 from ctxrelay.transports.mapflow.sparse import BlockMaps, _select
 
 Unit = Literal["head", "group"]
+Select = Literal["row", "global"]
+SELECTS = ("row", "global")
 
 
 @dataclass
@@ -110,19 +115,26 @@ def guided_pattern(
     unit: Unit = "group",
     top_p: float = 1.0,
     local: int = 0,
+    select: Select = "row",
 ) -> BlockPattern:
-    """Key blocks per receiver head (or kv group) from the W-mixed sender block masses, top-p per row.
+    """Key blocks per receiver head (or kv group) from the W-mixed sender block masses, top-p per row
+    (`select="row"`) or over each unit's tiles together (`select="global"`).
 
     guided_p = 1 keeps the union of the kept tiles of every sender head W mixes in; `top_p` first
     re-selects the sender map itself (as `sparse.reselect` would).
     """
+    if select not in SELECTS:
+        raise ValueError(f"unknown guided selection {select!r}: use one of {', '.join(SELECTS)}")
     mixed = torch.einsum("kh,kqn->hqn", w.float(), sender_block_mass(bm, top_p))  # [Hr, nqb, nkb]
     hr = mixed.shape[0]
+    per = hr // kv_heads if unit == "group" else 1
     if unit == "group":
-        per = hr // kv_heads
         mixed = mixed.view(kv_heads, per, *mixed.shape[1:]).mean(1)
-        return pattern_from_mask(_select(mixed, guided_p), per, bm.block, local)
-    return pattern_from_mask(_select(mixed, guided_p), 1, bm.block, local)
+    if select == "global":
+        keep = _select(mixed.reshape(mixed.shape[0], -1), guided_p).view_as(mixed)
+    else:
+        keep = _select(mixed, guided_p)
+    return pattern_from_mask(keep, per, bm.block, local)
 
 
 def flex_pattern(c: AttnCall, block: int, top_p: float, unit: Unit = "group", local: int = 0) -> BlockPattern:

@@ -73,7 +73,7 @@ def layer_costs(
             kv = c.k.shape[1]
 
             def pattern(bm=bm, w=w, kv=kv):
-                return guided.guided_pattern(bm, w, cfg.guided_p, kv, cfg.unit, cfg.top_p, cfg.local)
+                return cfg.guided_pattern(bm, w, kv)
 
             def replace(bm=bm, j=j, c=c):
                 from ctxrelay.transports.mapflow.sparse import reselect

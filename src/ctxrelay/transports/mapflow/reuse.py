@@ -42,10 +42,13 @@ class ReuseConfig:
     block: int = 64  # flex layers' block size (replace/guided use the maps' own)
     local: int = 1  # guided/flex/hybrid also keep this many key blocks before the diagonal one
     defer_keys: bool = True
+    guided_select: str = "row"  # guided top-p per query-block row, or "global" over each unit's tiles
 
     def __post_init__(self) -> None:
         if len(self.modes) != len(self.mapping):
             raise ValueError(f"{len(self.modes)} modes but {len(self.mapping)} mapped layers")
+        if self.guided_select not in guided.SELECTS:
+            raise ValueError(f"unknown guided selection {self.guided_select!r}: use {', '.join(guided.SELECTS)}")
         bad = sorted({m for m in self.modes if m not in MODES})
         if bad:
             raise ValueError(f"unknown mapflow mode(s) {bad}: use {', '.join(MODES)}")
@@ -83,6 +86,7 @@ class ReuseConfig:
             "flex_p": self.flex_p,
             "block": self.block,
             "local": self.local,
+            "guided_select": self.guided_select,
             "r": self.r,
         }
 
@@ -102,7 +106,16 @@ class ReuseConfig:
             flex_p=float(params.get("flex_p", 0.9)),
             block=int(params.get("block", 64)),
             local=int(params.get("local", 1)),
+            guided_select=str(params.get("guided_select", "row")),  # edges from before it: per row
         )
+
+    def guided_pattern(self, bm: BlockMaps, w: torch.Tensor, kv_heads: int, **change) -> guided.BlockPattern:
+        """The pattern a guided layer with sender map `bm` and mixing `w` computes in (`change`
+        overrides guided_p, unit, top_p, local or select, as the benchmarks' sweeps do)."""
+        args = dict(guided_p=self.guided_p, unit=self.unit, top_p=self.top_p, local=self.local)
+        args["select"] = self.guided_select
+        args.update(change)
+        return guided.guided_pattern(bm, w, kv_heads=kv_heads, **args)
 
 
 def select_maps(maps: dict[int, BlockMaps], cfg: ReuseConfig, meta_top_p: float) -> dict[int, BlockMaps]:
@@ -219,7 +232,7 @@ def _plan(i, mode, maps, cfg, w_all, differentiable, prepared, t, kv_heads):
     if mode == "replace":
         plan = apply.prepare_padded(bm) if differentiable else apply.prepare_replace(bm)
     else:
-        plan = guided.guided_pattern(bm, w_all[i].detach(), cfg.guided_p, kv_heads, cfg.unit, cfg.top_p, cfg.local)
+        plan = cfg.guided_pattern(bm, w_all[i].detach(), kv_heads)
     if prepared is not None and mode == "replace":
         prepared[key] = plan
     return plan
@@ -267,6 +280,7 @@ def relay_prefill(receiver: LoadedModel, state, artifact, suffix_ids: torch.Tens
         "state_top_p": float(meta.get("top_p", 1.0)),
         "map_source": str(meta.get("source", "exact")),  # states from before sampled captures are exact
         "guided_p": cfg.guided_p,
+        "guided_select": cfg.guided_select,
         **{k: sum(v) / len(v) for k, v in stats.items()},  # mean computed share of causal tiles per mode
         "context_tokens": state.num_tokens,
         "suffix_tokens": int(suffix_ids.numel()),
