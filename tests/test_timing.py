@@ -22,6 +22,16 @@ def test_median_components_takes_the_median_of_each_component():
     assert got == {"a": 2.0, "b": 2.0}
 
 
+def test_median_components_warms_up_until_the_warm_up_calls_add_up_to_warmup_s():
+    """A fast call that runs slow its first few times (a newly used edge) is timed once it is steady."""
+    runs = iter([{"a": 0.3}, {"a": 0.3}, {"a": 0.3}, {"a": 0.3}, {"a": 0.1}, {"a": 0.2}, {"a": 0.1}])
+    got = median_components(lambda: next(runs), repeats=3, warmup=1, warmup_s=1.0)  # 4 calls reach 1.2 s
+    assert got == {"a": 0.1}
+    assert next(runs, None) is None  # nothing left: 4 warm-ups and 3 timed calls
+    slow = iter([{"a": 5.0}, {"a": 1.0}])
+    assert median_components(lambda: next(slow), repeats=1, warmup=1, warmup_s=1.0) == {"a": 1.0}  # one is enough
+
+
 def test_stopwatch_accumulates_named_components():
     sw = Stopwatch()
     for _ in range(2):

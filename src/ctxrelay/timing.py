@@ -48,11 +48,19 @@ def median_ms(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> fl
     return 1000 * median_time(fn, repeats, warmup)[0]
 
 
-def median_components(fn: Callable[[], dict[str, float]], repeats: int = 3, warmup: int = 1) -> dict[str, float]:
-    """`fn` returns named component times; after `warmup` calls, the per-component median of `repeats`."""
+def median_components(
+    fn: Callable[[], dict[str, float]], repeats: int = 3, warmup: int = 1, warmup_s: float = 0.0
+) -> dict[str, float]:
+    """`fn` returns named component times; after `warmup` calls, and further calls until the warm-up
+    calls' own reported times add up to `warmup_s`, the per-component median of `repeats`. warmup_s
+    matters for calls of a fraction of a second: measured (`scripts/cost_point_runs.py`) the first three
+    relays over a newly used edge ran 0.26-0.31 s, the later ones 0.16-0.20 s, so one warm-up and a
+    median of two timed the tail."""
     if repeats < 1:
         raise UsageError(f"repeats must be >= 1, got {repeats}")
-    for _ in range(warmup):
-        fn()
+    spent, calls = 0.0, 0
+    while calls < warmup or spent < warmup_s:
+        spent += sum(fn().values())
+        calls += 1
     runs = [fn() for _ in range(repeats)]
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}

@@ -27,6 +27,7 @@ from ctxrelay.timing import median_components
 
 TextFor = Callable[[LoadedModel, int], str]  # (model, n tokens) -> text of about n tokens for it
 PROBE_SUFFIX = "\nAnswer:"
+WARMUP_S = 1.0  # warm-up calls per measured point until they add up to this (at least one; fast points need more)
 
 
 def measure_native(m: LoadedModel, text: str, repeats: int) -> tuple[int, dict[str, float]]:
@@ -38,7 +39,7 @@ def measure_native(m: LoadedModel, text: str, repeats: int) -> tuple[int, dict[s
         int(out.logits[-1].argmax())
         return {NATIVE_KEY: time.perf_counter() - t}
 
-    return len(ids), median_components(once, repeats)
+    return len(ids), median_components(once, repeats, warmup_s=WARMUP_S)
 
 
 def _suffix(m: LoadedModel) -> torch.Tensor:
@@ -83,7 +84,7 @@ def measure_point(pool: ModelPool, e, p, text: str, repeats: int) -> tuple[int, 
         timings["first_token_s"] = timings.get("first_token_s", 0.0) + time.perf_counter() - t0
         return timings
 
-    return n_recv, median_components(once, repeats)
+    return n_recv, median_components(once, repeats, warmup_s=WARMUP_S)
 
 
 def _merged(old: CostModel | None, new: list[tuple[int, dict[str, float]]]) -> CostModel:

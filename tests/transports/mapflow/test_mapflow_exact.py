@@ -134,4 +134,3 @@ def test_guided_select_travels_in_the_edge_params_and_older_edges_select_per_row
     assert reuse.ReuseConfig.from_params(older, cfg.w_tensors()).guided_select == "row"
     with pytest.raises(ValueError, match="guided selection 'columns'"):
         reuse.ReuseConfig.from_params({**older, "guided_select": "columns"}, cfg.w_tensors())
-
