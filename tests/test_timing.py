@@ -32,6 +32,14 @@ def test_median_components_warms_up_until_the_warm_up_calls_add_up_to_warmup_s()
     assert median_components(lambda: next(slow), repeats=1, warmup=1, warmup_s=1.0) == {"a": 1.0}  # one is enough
 
 
+def test_median_components_times_fast_calls_until_they_add_up_to_measure_s():
+    """A median of two is the mean of two: one spike moves it. Fast calls get more timed runs."""
+    runs = iter([{"a": 9.0}, {"a": 0.4}, {"a": 0.6}, {"a": 0.4}, {"a": 0.4}, {"a": 0.5}, {"a": 7.0}])
+    got = median_components(lambda: next(runs), repeats=2, warmup=1, measure_s=2.0)  # 0.4 .. 0.5: 2.3 s
+    assert got == {"a": 0.4}
+    assert next(runs) == {"a": 7.0}  # stopped once the timed calls reached 2 s
+
+
 def test_stopwatch_accumulates_named_components():
     sw = Stopwatch()
     for _ in range(2):

@@ -49,18 +49,25 @@ def median_ms(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> fl
 
 
 def median_components(
-    fn: Callable[[], dict[str, float]], repeats: int = 3, warmup: int = 1, warmup_s: float = 0.0
+    fn: Callable[[], dict[str, float]],
+    repeats: int = 3,
+    warmup: int = 1,
+    warmup_s: float = 0.0,
+    measure_s: float = 0.0,
 ) -> dict[str, float]:
-    """`fn` returns named component times; after `warmup` calls, and further calls until the warm-up
-    calls' own reported times add up to `warmup_s`, the per-component median of `repeats`. warmup_s
-    matters for calls of a fraction of a second: measured (`scripts/cost_point_runs.py`) the first three
-    relays over a newly used edge ran 0.26-0.31 s, the later ones 0.16-0.20 s, so one warm-up and a
-    median of two timed the tail."""
+    """`fn` returns named component times. After `warmup` calls, and more until the warm-up calls' own
+    reported times add up to `warmup_s`, the per-component median of at least `repeats` timed calls, and
+    of more until they add up to `measure_s`. Both matter for calls of a fraction of a second: measured
+    (`scripts/cost_point_runs.py`) the first three relays over a newly used edge ran 0.26-0.31 s, the
+    later ones 0.16-0.20 s, and one call in six or so spikes by ~0.2 s; one warm-up and a median of two
+    timed the tail or a spike."""
     if repeats < 1:
         raise UsageError(f"repeats must be >= 1, got {repeats}")
     spent, calls = 0.0, 0
     while calls < warmup or spent < warmup_s:
         spent += sum(fn().values())
         calls += 1
-    runs = [fn() for _ in range(repeats)]
+    runs: list[dict[str, float]] = []
+    while len(runs) < repeats or sum(sum(r.values()) for r in runs) < measure_s:
+        runs.append(fn())
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}

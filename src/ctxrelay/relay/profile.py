@@ -27,7 +27,9 @@ from ctxrelay.timing import median_components
 
 TextFor = Callable[[LoadedModel, int], str]  # (model, n tokens) -> text of about n tokens for it
 PROBE_SUFFIX = "\nAnswer:"
-WARMUP_S = 1.0  # warm-up calls per measured point until they add up to this (at least one; fast points need more)
+# per measured point: warm-up calls until they add up to WARMUP_S (at least one), then timed calls until they
+# add up to MEASURE_S (at least `repeats`): fast points get more of both (timing.median_components)
+WARMUP_S, MEASURE_S = 1.0, 2.0
 
 
 def measure_native(m: LoadedModel, text: str, repeats: int) -> tuple[int, dict[str, float]]:
@@ -39,7 +41,7 @@ def measure_native(m: LoadedModel, text: str, repeats: int) -> tuple[int, dict[s
         int(out.logits[-1].argmax())
         return {NATIVE_KEY: time.perf_counter() - t}
 
-    return len(ids), median_components(once, repeats, warmup_s=WARMUP_S)
+    return len(ids), median_components(once, repeats, warmup_s=WARMUP_S, measure_s=MEASURE_S)
 
 
 def _suffix(m: LoadedModel) -> torch.Tensor:
@@ -84,7 +86,7 @@ def measure_point(pool: ModelPool, e, p, text: str, repeats: int) -> tuple[int, 
         timings["first_token_s"] = timings.get("first_token_s", 0.0) + time.perf_counter() - t0
         return timings
 
-    return n_recv, median_components(once, repeats, warmup_s=WARMUP_S)
+    return n_recv, median_components(once, repeats, warmup_s=WARMUP_S, measure_s=MEASURE_S)
 
 
 def _merged(old: CostModel | None, new: list[tuple[int, dict[str, float]]]) -> CostModel:
