@@ -474,21 +474,18 @@ def _end_to_end(transport: str, pair: dict | None, native_s: float, relay_s: flo
 def plot(rows: list[dict], path: Path, sender: str, receiver: str) -> Path:
     """Quality (top-1 agreement) vs TTFT speedup, one colour per method and length; dashed lines at
     native speed and at top-1 0.9."""
-    from ctxrelay.bench.plots import scatter_plot
+    from ctxrelay.bench.plots import grouped, scatter_plot
 
-    points: dict[str, tuple[list[float], list[float]]] = {}
-    for row in rows:
+    def label(row: dict) -> str | None:
         if row["transport"] == "native":
-            continue
-        label = f"{row['transport']}/{row['method']}"
-        if row.get("guided_select", "row") != "row" and row["transport"] == "mapflow":
-            label += f" ({row['guided_select']} top-p)"
-        xs, ys = points.setdefault(f"{label} @{row['context_tokens']}", ([], []))
-        xs.append(row["speedup"])
-        ys.append(row["top1_agreement"])
+            return None
+        select = row.get("guided_select", "row")
+        how = f" ({select} top-p)" if select != "row" and row["transport"] == "mapflow" else ""
+        return f"{row['transport']}/{row['method']}{how} @{row['context_tokens']}"
+
     return scatter_plot(
         path,
-        points,
+        grouped(rows, label, "speedup", "top1_agreement"),
         xlabel="TTFT speedup vs native receiver prefill (x)",
         ylabel="top-1 next-token agreement with native",
         title=f"mapflow {sender} -> {receiver}",  # dashed: native speed, issue 13's top-1 0.9

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ctxrelay.bench.plots import line_plot, plot_path
+from ctxrelay.bench.plots import grouped, line_plot, plot_path
 from ctxrelay.bench.results import timed_run, wait_until_quiet, write_results
 from ctxrelay.data.datasets import essay_haystack
 from ctxrelay.errors import UsageError
@@ -133,14 +133,10 @@ def measure_point(m: LoadedModel, n_tokens: int, repeats: int, opts: dict) -> di
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    series: dict[str, tuple[list[float], list[float]]] = {}
-    for r in sorted(rows, key=lambda r: r["context_tokens"]):
-        xs, ys = series.setdefault(r["receiver"], ([], []))
-        xs.append(r["context_tokens"])
-        ys.append(r["native_ttft_s"])
+    by_length = sorted(rows, key=lambda r: r["context_tokens"])
     return line_plot(
         path,
-        series,
+        grouped(by_length, lambda r: r["receiver"], "context_tokens", "native_ttft_s"),
         xlabel="context tokens",
         ylabel="native TTFT (s, median)",
         title=f"Native prefill TTFT ({torch.get_num_threads()} torch threads, CPU)",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -15,6 +15,20 @@ def plot_path(results_path: str | Path, suffix: str = "") -> Path:
     """benchmarks/results/NAME.json -> benchmarks/results/NAME[suffix].png."""
     p = Path(results_path)
     return p.with_name(f"{p.stem}{suffix}.png")
+
+
+def grouped(
+    rows: Sequence[dict], label_of: Callable[[dict], str | None], x: str, y: str
+) -> dict[str, tuple[list[float], list[float]]]:
+    """{label: (xs, ys)} of rows[x], rows[y] per label_of(row), in row order (None: left out)."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for row in rows:
+        label = label_of(row)
+        if label is not None:
+            xs, ys = out.setdefault(label, ([], []))
+            xs.append(row[x])
+            ys.append(row[y])
+    return out
 
 
 def line_plot(
