@@ -38,6 +38,9 @@ def test_median_components_times_fast_calls_until_they_add_up_to_measure_s():
     got = median_components(lambda: next(runs), repeats=2, warmup=1, measure_s=2.0)  # 0.4 .. 0.5: 2.3 s
     assert got == {"a": 0.4}
     assert next(runs) == {"a": 7.0}  # stopped once the timed calls reached 2 s
+    calls = []
+    fast = median_components(lambda: calls.append(1) or {"a": 0.001}, 2, warmup_s=1.0, measure_s=2.0, max_calls=4)
+    assert fast == {"a": 0.001} and len(calls) == 4 + 4  # 4 per phase, not 1000 + 2000 calls
 
 
 def test_stopwatch_accumulates_named_components():

@@ -54,20 +54,22 @@ def median_components(
     warmup: int = 1,
     warmup_s: float = 0.0,
     measure_s: float = 0.0,
+    max_calls: int = 16,
 ) -> dict[str, float]:
     """`fn` returns named component times. After `warmup` calls, and more until the warm-up calls' own
     reported times add up to `warmup_s`, the per-component median of at least `repeats` timed calls, and
     of more until they add up to `measure_s`. Both matter for calls of a fraction of a second: measured
     (`scripts/cost_point_runs.py`) the first three relays over a newly used edge ran 0.26-0.31 s, the
     later ones 0.16-0.20 s, and one call in six or so spikes by ~0.2 s; one warm-up and a median of two
-    timed the tail or a spike."""
+    timed the tail or a spike. Neither phase makes more than `max_calls` calls for the seconds (a call
+    of a few ms, a tiny test model's, would otherwise run hundreds of times)."""
     if repeats < 1:
         raise UsageError(f"repeats must be >= 1, got {repeats}")
     spent, calls = 0.0, 0
-    while calls < warmup or spent < warmup_s:
+    while calls < warmup or (spent < warmup_s and calls < max_calls):
         spent += sum(fn().values())
         calls += 1
     runs: list[dict[str, float]] = []
-    while len(runs) < repeats or sum(sum(r.values()) for r in runs) < measure_s:
+    while len(runs) < repeats or (sum(sum(r.values()) for r in runs) < measure_s and len(runs) < max_calls):
         runs.append(fn())
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
