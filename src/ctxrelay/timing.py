@@ -65,11 +65,16 @@ def median_components(
     of a few ms, a tiny test model's, would otherwise run hundreds of times)."""
     if repeats < 1:
         raise UsageError(f"repeats must be >= 1, got {repeats}")
-    spent, calls = 0.0, 0
-    while calls < warmup or (spent < warmup_s and calls < max_calls):
-        spent += sum(fn().values())
-        calls += 1
-    runs: list[dict[str, float]] = []
-    while len(runs) < repeats or (sum(sum(r.values()) for r in runs) < measure_s and len(runs) < max_calls):
-        runs.append(fn())
+    _calls_until(fn, warmup, warmup_s, max_calls)
+    runs = _calls_until(fn, repeats, measure_s, max_calls)
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
+
+
+def _calls_until(fn: Callable[[], dict[str, float]], calls: int, seconds: float, max_calls: int) -> list[dict]:
+    """At least `calls` results of `fn`, and more, up to `max_calls`, until their reported times add up to `seconds`."""
+    out: list[dict[str, float]] = []
+    spent = 0.0
+    while len(out) < calls or (spent < seconds and len(out) < max_calls):
+        out.append(fn())
+        spent += sum(out[-1].values())
+    return out
