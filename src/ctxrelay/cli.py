@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 
@@ -28,14 +29,29 @@ def user_errors(fn):
 
         try:
             return fn(*args, **kwargs)
-        except (CtxrelayError, FileNotFoundError) as e:
-            if os.environ.get("CTXRELAY_DEBUG"):
+        except (CtxrelayError, OSError) as e:
+            disk_full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+            known = not isinstance(e, OSError) or isinstance(e, FileNotFoundError) or disk_full
+            if os.environ.get("CTXRELAY_DEBUG") or not known:
                 raise
             # plain text (a message may hold brackets), never wrapped: one line per error
-            console.print(Text.assemble(("error: ", "red"), str(e)), soft_wrap=True)
+            console.print(Text.assemble(("error: ", "red"), _disk_full(e) if disk_full else str(e)), soft_wrap=True)
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+def _disk_full(e: OSError) -> str:
+    """A full disk mid-job (a calibration writing its moments, a benchmark caching sender states) is the
+    machine's state, not a bug: say where the space goes and that what was written before is intact."""
+    from ctxrelay import paths
+
+    where = f" writing {e.filename}" if e.filename else ""
+    return (
+        f"no space left on the disk{where}. Free some and run the command again: files written before are "
+        f"intact (writes are atomic) and cached work is reused. ctxrelay's caches (converted models, sender "
+        f"states, benchmark items; each remade on use) are under {paths.cache_dir()}: `du -sh {paths.cache_dir()}/*`"
+    )
 
 
 def set_threads(threads: int | None) -> int:

@@ -37,3 +37,33 @@ def test_concurrent_turns_of_one_conversation(server):
     c = doors.concurrency(url, sender)
     assert c.clean, c.failures
     assert c.details["turn"].get("200", 0) >= 1 and c.details["stateless"].get("200", 0) >= 1
+
+
+def test_a_full_disk_mid_command_prints_one_line_and_other_os_errors_still_raise(monkeypatch):
+    import errno
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from ctxrelay import cli
+
+    import torch
+
+    monkeypatch.delenv("CTXRELAY_DEBUG", raising=False)
+    threads = torch.get_num_threads()  # the command sets them; the suite's stay
+
+    def fails_with(code):
+        def calibrate(*args, **kwargs):
+            raise OSError(code, "simulated", "/cache/heterofold/moments.safetensors")
+
+        return calibrate
+
+    args = ["calibrate", "--transport", "heterofold", "--sender", "a", "--receiver", "b", "--threads", "1"]
+    monkeypatch.setattr("ctxrelay.transports.get", lambda name: SimpleNamespace(calibrate=fails_with(errno.ENOSPC)))
+    r = CliRunner().invoke(cli.app, args)
+    assert r.exit_code == 1 and "no space left on the disk writing /cache/heterofold/moments.safetensors" in r.output
+    assert "Traceback" not in r.output and "du -sh" in r.output
+    monkeypatch.setattr("ctxrelay.transports.get", lambda name: SimpleNamespace(calibrate=fails_with(errno.EIO)))
+    r = CliRunner().invoke(cli.app, args)
+    torch.set_num_threads(threads)
+    assert isinstance(r.exception, OSError) and r.exception.errno == errno.EIO  # a real I/O fault is not hidden
