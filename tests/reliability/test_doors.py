@@ -43,11 +43,10 @@ def test_a_full_disk_mid_command_prints_one_line_and_other_os_errors_still_raise
     import errno
     from types import SimpleNamespace
 
+    import torch
     from typer.testing import CliRunner
 
     from ctxrelay import cli
-
-    import torch
 
     monkeypatch.delenv("CTXRELAY_DEBUG", raising=False)
     threads = torch.get_num_threads()  # the command sets them; the suite's stay
