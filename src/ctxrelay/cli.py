@@ -223,6 +223,9 @@ def profile(
         False, help="keep the profile's measurements at other lengths and refit over all (extend it to longer requests)"
     ),
     refit: bool = typer.Option(False, help="measure nothing: fit the installed profile's cost models to their samples"),
+    only_missing: bool = typer.Option(
+        False, help="measure only what the installed profile lacks (a new model, a new artifact's operating points)"
+    ),
 ) -> None:
     """Measure native prefill and every edge's transport cost on this machine; refit the cost model."""
     from ctxrelay import paths
@@ -236,9 +239,10 @@ def profile(
         return
     n = set_threads(threads or None)
     names = [m for m in models.split(",") if m]
-    pool = ModelPool(names) if merge else ModelPool(names, profile=Profile())
+    pool = ModelPool(names) if merge or only_missing else ModelPool(names, profile=Profile())
     pool.profile_path = paths.profile_path()
-    prof = profile_pool(pool, text_for, [int(x) for x in lengths.split(",")], repeats=repeats, merge=merge)
+    sizes = [int(x) for x in lengths.split(",")]
+    prof = profile_pool(pool, text_for, sizes, repeats=repeats, only_missing=only_missing, merge=merge)
     prof.machine = {"torch_threads": n, "cores": os.cpu_count()}
     prof.save(pool.profile_path)
     console.print(f"[green]profile written:[/] {pool.profile_path}")

@@ -29,6 +29,21 @@ def test_profile_merge_keeps_other_lengths_and_refits(pool):
     assert len(pool.profile.native[r].samples) == 1
 
 
+def test_only_missing_measures_the_points_a_profile_lacks_and_keeps_the_rest(pool):
+    """`ctxrelay profile --only-missing`: a new artifact's operating points get measured, nothing else."""
+    pool.refresh(Profile())
+    profile_pool(pool, text_for, [64, 128], repeats=1)
+    kept = dict(pool.profile.edges)
+    native = {h: list(cm.samples) for h, cm in pool.profile.native.items()}
+    dropped = next(iter(kept))
+    del pool.profile.edges[dropped]  # as if the artifact had gained this point since
+    profile_pool(pool, text_for, [64, 128], repeats=1, only_missing=True)
+    assert set(pool.profile.edges) == set(kept)
+    assert all(pool.profile.edges[k] is kept[k] for k in kept if k != dropped)  # not measured again
+    assert len(pool.profile.edges[dropped].samples) == 2
+    assert {h: list(cm.samples) for h, cm in pool.profile.native.items()} == native
+
+
 def test_predicted_vs_measured_rows_and_plot(pool, tmp_path):
     profile_pool(pool, text_for, [64, 128, 256], repeats=1)
     rows = cost_model.measure(pool, [96, 192], repeats=1, tol=0.15)
