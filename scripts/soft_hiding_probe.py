@@ -5,7 +5,7 @@
 
 Hiding (`KVCache.hide`) keeps the question from the translated entries of the context: a bias of -inf on
 their attention scores. Here the bias is b (BIASES, a comma list; 0 is no hiding, -inf hides in every
-layer), in every layer of the receiver. The runner's attention is replaced in this process only. The cases
+layer), in every layer of the receiver. The attention mask is replaced in this process only. The cases
 are the fact stage's own (`facts.calibration_cases`, 24 at TOKENS, default 4096; CASES: a comma list of
 case numbers, empty for all), relayed with the shipped artifact at recompute fraction F (rule mix) and
 answered greedily (24 tokens, score_answer). Prints one JSON line per case, then facts kept per bias.
@@ -15,9 +15,9 @@ Not a timing run.
 import json
 import math
 import sys
+from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from ctxrelay import paths, zoo
 from ctxrelay.artifact import Artifact
@@ -28,25 +28,22 @@ from ctxrelay.transports.heterofold import facts
 from ctxrelay.transports.heterofold.transfer import relay_prefill
 
 BIAS: dict[str, float | None] = {"b": None}
-_native = runner.native_attention
+_call_mask = attention.call_mask
 
 
-def soft_attention(c: attention.AttnCall) -> torch.Tensor:
-    """native_attention, with the keys the key mask leaves out given BIAS["b"] instead of -inf."""
+def soft_mask(c: attention.AttnCall, rows: slice | None = None, keys: tuple[int, int] | None = None) -> torch.Tensor:
+    """call_mask, as native_attention asks it per chunk of query rows, with the keys the key mask leaves out
+    given the additive bias BIAS["b"] instead of -inf (SDPA takes a float mask as added scores)."""
+    visible = _call_mask(c, rows, keys)
     b = BIAS["b"]
-    if b is None or c.key_mask is None or c.softcap is not None:
-        return _native(c)
-    qpos, s = c.query_positions, c.k.shape[2]
-    out = torch.empty_like(c.q)
-    for r in attention._row_chunks(qpos, c.window):
-        lo, hi = attention._key_range(qpos[r], s, c.window)
-        allowed = attention.positions_mask(qpos[r], hi, c.window, lo)
-        keep = c.key_mask[lo:hi][None, :] if c.key_mask.dim() == 1 else c.key_mask[r][:, lo:hi]
-        bias = torch.zeros(allowed.shape, dtype=c.q.dtype).masked_fill_(~keep, b).masked_fill_(~allowed, -math.inf)
-        gqa = c.q.shape[1] != c.k.shape[1]
-        kv = (c.k[:, :, lo:hi], c.v[:, :, lo:hi])
-        out[:, :, r] = F.scaled_dot_product_attention(c.q[:, :, r], *kv, attn_mask=bias, scale=c.scale, enable_gqa=gqa)
-    return out
+    if b is None or c.key_mask is None or c.softcap is not None:  # eager attention needs the bool mask
+        return visible
+    allowed = _call_mask(replace(c, key_mask=None), rows, keys)  # causal and window only
+    return (
+        torch.zeros(visible.shape, dtype=c.q.dtype)
+        .masked_fill_(allowed & ~visible, b)
+        .masked_fill_(~allowed, -math.inf)
+    )
 
 
 @torch.inference_mode()
@@ -56,7 +53,7 @@ def main() -> None:
     chosen = {int(c) for c in sys.argv[5].split(",")} if len(sys.argv) > 5 and sys.argv[5] else None
     tokens = int(sys.argv[6]) if len(sys.argv) > 6 else 4096
     torch.set_num_threads(2)
-    runner.native_attention = soft_attention
+    attention.call_mask = soft_mask  # native_attention reads it from its module
     sender, receiver = zoo.load(sender_name), zoo.load(receiver_name)
     artifact = Artifact.load(paths.find_artifact("heterofold", sender_name, receiver_name))
     root = paths.work_dir("heterofold", "states")
