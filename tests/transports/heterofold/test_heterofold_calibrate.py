@@ -188,3 +188,16 @@ def test_a_cached_heldout_item_is_the_item_it_stored_and_a_damaged_one_is_made_a
     quality._MEMO.clear()
     again = quality.make_item(sender, receiver, text, 40, cache=tmp_path)
     assert torch.equal(again.native_logprobs, made.native_logprobs) and path.stat().st_size > 100
+
+
+def test_end_to_end_stage_with_the_whole_context_native_has_nothing_to_learn(cache, tiny_by_family):
+    """e2e_native = 1: every context entry keeps the receiver's own K/V, so the suffix's predictions are its
+    native ones (KL 0); the run does not resume from the checkpoint of a run with another share."""
+    sender, receiver = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    opts = {"method": "heterofold", "epochs": 1, "heldout_suffix": 40, "query_rows": 16, "val_every": 4,
+            "gammas": "0", "epss": "0.01", "e2e_epochs": 1, "e2e_tokens": 24}  # fmt: skip
+    translated = calibrate(sender, receiver, TEXTS[:8], TEXTS[8:], opts)
+    native = calibrate(sender, receiver, TEXTS[:8], TEXTS[8:], {**opts, "e2e_native": 1.0})
+    assert translated.params["train"]["e2e"][0]["train_kl"] > 1e-3
+    assert native.params["train"]["e2e"][0]["train_kl"] < 1e-5
+    assert native.params["e2e_native"] == 1.0 and "e2e_native" not in translated.params

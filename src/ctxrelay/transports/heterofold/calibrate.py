@@ -56,6 +56,7 @@ class CalibConfig:
     e2e_epochs: int = 3  # end-to-end refinement passes (0 = the paper's layer-local objectives only)
     e2e_tokens: int = 128  # receiver tokens run natively per text in the end-to-end stage
     e2e_lr: float = 5e-4
+    e2e_native: float = 0.0  # share of each context's last tokens kept native in the end-to-end stage
     store_rank: int = 0  # > 0: store each folded map as rank-`store_rank` factors (small artifacts)
     # the receiver's own K/V in its first k layers for every context token, not translated (params["own_layers"]:
     # every relay from the artifact). Layer 0's cost only its token embeddings' projections. Measured on the
@@ -257,7 +258,8 @@ def calibrate(
         if cfg.e2e_epochs:
             tails = [data.receiver_tail(receiver, t, states, cfg.e2e_tokens) for t in tqdm(fit_texts, desc="targets")]
             corr = Corrections(cands["layer-local"], cfg.rank, scales, cfg.seed + 1)
-            ckpt = pair_dir / f"e2e-{tag}-n{cfg.e2e_tokens}-lr{cfg.e2e_lr}.safetensors"
+            native = f"-nat{cfg.e2e_native}" if cfg.e2e_native else ""
+            ckpt = pair_dir / f"e2e-{tag}-n{cfg.e2e_tokens}-lr{cfg.e2e_lr}{native}.safetensors"
             history["e2e"] = train_e2e(sender, receiver, corr, pairs, tails, cfg, ckpt, resume)
             cands["end-to-end"] = corr.fold()
         scores = {name: scored_maps(m) for name, m in cands.items()}
@@ -267,6 +269,8 @@ def calibrate(
         params["train"] = history
         params.update(rank=cfg.rank, epochs=cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay)
         params.update(e2e_epochs=cfg.e2e_epochs, e2e_tokens=cfg.e2e_tokens, e2e_lr=cfg.e2e_lr)
+        if cfg.e2e_native:
+            params["e2e_native"] = cfg.e2e_native
 
     # 5. fold / store, 6. report on exactly what is stored
     if cfg.store_rank:

@@ -53,11 +53,28 @@ def coarse_kl(logits: torch.Tensor, tail: data.NativeTail) -> torch.Tensor:
     return kl.mean()
 
 
-def e2e_loss(receiver, corr: Corrections, s: data.SenderText, r: data.ReceiverText, src, tail, n: int, rope_cache):
+def e2e_loss(
+    receiver,
+    corr: Corrections,
+    s: data.SenderText,
+    r: data.ReceiverText,
+    src,
+    tail,
+    n: int,
+    rope_cache,
+    native_share: float = 0.0,
+):
+    """KL of the suffix's predictions over the translated context. native_share > 0: the context's last
+    tokens (that share of it) keep the receiver's own K/V, as the relay's recompute gives them at serving
+    (its rule spends most of the budget on the last tokens), so the corrections learn for the translated
+    entries the suffix still reads next to native ones."""
     t = r.ids.shape[0]
     c = t - n
     ctx_src = src[:c]
     native = ctx_src < 0
+    if native_share > 0:
+        native = native.clone()
+        native[c - round(native_share * c) :] = True
     rows = ctx_src.clamp(min=0)
     spec = receiver.spec
     if c not in rope_cache:
@@ -105,7 +122,7 @@ def train_e2e(
         bar = tqdm(order, desc=f"end-to-end epoch {epoch + 1}/{cfg.e2e_epochs}", unit="text", leave=False)
         for i in bar:
             s, r = pairs[i]
-            loss = e2e_loss(receiver, corr, s, r, aligns[i], tails[i], n, rope_cache)
+            loss = e2e_loss(receiver, corr, s, r, aligns[i], tails[i], n, rope_cache, cfg.e2e_native)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(corr.parameters(), 1.0)
