@@ -15,15 +15,17 @@ Prints one line per estimate and the setting's shipped signal with its left-out 
 """
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
 from scipy.stats import spearmanr
 
+from ctxrelay.artifact import Artifact
+from ctxrelay.transports import heterofold
+from ctxrelay.transports.heterofold.calib_data import find_artifact
+from ctxrelay.transports.heterofold.recompute import SIGNALS
+
 ROOT = Path(__file__).resolve().parent.parent
-SIGNALS = ("translated_attention", "tail_confidence", "tail_nll", "kv_change", "exact_share", "char_mismatch",
-           "hiding_gap")  # fmt: skip
 CASES = [  # sender, receiver, tokens, hidden layers, held-out run of the shipped artifact
     ("qwen2.5-coder-1.5b", "gemma3-270m", 4096, 0, "heterofold-frontier-q15g3-sr128-seed200"),
     ("smollm2-135m", "gemma3-270m", 4096, 0, "heterofold-frontier-s2g3-seed200"),
@@ -33,11 +35,9 @@ CASES = [  # sender, receiver, tokens, hidden layers, held-out run of the shippe
 ]
 
 
-def manifest(sender: str, receiver: str) -> dict:
-    path = ROOT / f"src/ctxrelay/artifacts/heterofold-{sender}-to-{receiver}.safetensors"
-    with open(path, "rb") as fh:
-        header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-    return json.loads(header["__metadata__"]["ctxrelay"])
+def shipped(sender: str, receiver: str) -> Artifact:
+    path = find_artifact(sender, receiver)
+    return Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
 
 
 def features(rows: list[dict], sigs: list[str]) -> np.ndarray:
@@ -91,8 +91,8 @@ def held_out(model: dict, rows: list[dict], sigs: list[str]) -> str:
 
 def main() -> None:
     for sender, receiver, tokens, hide, run in CASES:
-        meta = manifest(sender, receiver)
-        stage_rows = meta["params"]["recompute_stage"]["rows"]
+        art = shipped(sender, receiver)
+        stage_rows = art.params["recompute_stage"]["rows"]
         rows = [x for x in stage_rows if x["f"] > 0 and int(x.get("tokens", 2048)) == tokens
                 and int(x.get("hide_translated", 0)) == hide]  # fmt: skip
         results = json.loads((ROOT / f"benchmarks/results/{run}.json").read_text())
@@ -101,9 +101,9 @@ def main() -> None:
         sigs = [s for s in SIGNALS if all(s in x for x in rows) and np.ptp([x[s] for x in rows]) > 1e-6]
         sigs = [s for s in sigs if all(s in x["continuation_info"] for x in held)]
         setting = f"{tokens}+hide{hide}" if hide else str(tokens)
-        shipped = meta["quality"]["estimate"].get("by_setting", {}).get(setting, {})
+        used = art.quality["estimate"].get("by_setting", {}).get(setting, {})
         print(f"\n{sender} -> {receiver} at {setting}: {len(rows)} calibration rows, {len(held)} held-out ({run})")
-        print(f"  shipped estimate: {shipped.get('signal')}, left out {shipped.get('cv_spearman', float('nan')):+.2f}")
+        print(f"  shipped estimate: {used.get('signal')}, left out {used.get('cv_spearman', float('nan')):+.2f}")
         variants = {s: [s] for s in sigs}
         variants["ridge, all signals"] = sigs
         variants["ridge, no hiding_gap"] = [s for s in sigs if s != "hiding_gap"]
