@@ -20,9 +20,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from ctxrelay.artifact import Artifact
-from ctxrelay.transports import heterofold
-from ctxrelay.transports.heterofold.calib_data import find_artifact
+from ctxrelay.bench.heterofold_frontier import _artifact as installed_artifact
 from ctxrelay.transports.heterofold.recompute import SIGNALS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,11 +31,6 @@ CASES = [  # sender, receiver, tokens, hidden layers, held-out run of the shippe
     ("gemma3-270m", "qwen2.5-coder-0.5b", 2048, 0, "heterofold-frontier-g3q05-seed300-own1"),
     ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", 4096, 12, "heterofold-frontier-q05-seed300"),
 ]
-
-
-def shipped(sender: str, receiver: str) -> Artifact:
-    path = find_artifact(sender, receiver)
-    return Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
 
 
 def features(rows: list[dict], sigs: list[str]) -> np.ndarray:
@@ -91,7 +84,7 @@ def held_out(model: dict, rows: list[dict], sigs: list[str]) -> str:
 
 def main() -> None:
     for sender, receiver, tokens, hide, run in CASES:
-        art = shipped(sender, receiver)
+        art = installed_artifact(sender, receiver)
         stage_rows = art.params["recompute_stage"]["rows"]
         rows = [x for x in stage_rows if x["f"] > 0 and int(x.get("tokens", 2048)) == tokens
                 and int(x.get("hide_translated", 0)) == hide]  # fmt: skip

@@ -24,17 +24,10 @@ import torch
 
 from ctxrelay import paths, zoo
 from ctxrelay.artifact import Artifact
+from ctxrelay.bench.heterofold_frontier import _artifact as installed_artifact
+from ctxrelay.cli import _parse_sets
 from ctxrelay.transports import heterofold
 from ctxrelay.transports.heterofold import calib_data
-
-
-def value(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def paired(art: Artifact, other_path) -> dict:
@@ -42,10 +35,10 @@ def paired(art: Artifact, other_path) -> dict:
     error, and how many texts went up and down."""
     other = Artifact.load(other_path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
     base = {(x["f"], x["text"]): x["top1_agreement"] for x in other.params["recompute_stage"]["rows"]}
+    rows = art.params["recompute_stage"]["rows"]
     out = {}
-    for f in sorted({x["f"] for x in art.params["recompute_stage"]["rows"]}):
-        d = [x["top1_agreement"] - base[(f, x["text"])] for x in art.params["recompute_stage"]["rows"]
-             if x["f"] == f and (f, x["text"]) in base]  # fmt: skip
+    for f in sorted({x["f"] for x in rows}):
+        d = [x["top1_agreement"] - base[(f, x["text"])] for x in rows if x["f"] == f and (f, x["text"]) in base]
         if len(d) > 1:
             se = statistics.stdev(d) / len(d) ** 0.5
             out[str(f)] = {
@@ -60,7 +53,7 @@ def paired(art: Artifact, other_path) -> dict:
 def main() -> None:
     torch.set_num_threads(2)
     sender, receiver, tag, *sets = sys.argv[1:]
-    opts = {k: value(v) for k, v in (s.split("=", 1) for s in sets)}
+    opts = _parse_sets(sets)  # as `ctxrelay calibrate --set` reads them
     stage_opts = {k[3:]: opts.pop(k) for k in list(opts) if k.startswith("st_")}
     against = opts.pop("vs", None)
     data_opts, cal_opts = calib_data._split_options(opts)
@@ -70,8 +63,7 @@ def main() -> None:
     s, r = zoo.load(sender), zoo.load(receiver)
     t0 = time.time()
     if tag == "shipped":
-        path = calib_data.find_artifact(sender, receiver)
-        art = Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
+        art = installed_artifact(sender, receiver)
         art.params.pop("recompute_stage", None)
         art.quality.pop("recompute", None)
     else:
@@ -87,9 +79,10 @@ def main() -> None:
     calib_data._add_recompute_stage(s, r, art, so, "translator_variants_probe")
     art.save(out)
     essays = int(so["recompute_essays"])
+    rows = art.params["recompute_stage"]["rows"]
     stage = {}
-    for f in sorted({x["f"] for x in art.params["recompute_stage"]["rows"]}):
-        part = [x for x in art.params["recompute_stage"]["rows"] if x["f"] == f]
+    for f in sorted({x["f"] for x in rows}):
+        part = [x for x in rows if x["f"] == f]
         kinds = {"essays": [x for x in part if x["text"] < essays], "convs": [x for x in part if x["text"] >= essays]}
         stage[str(f)] = {k: statistics.mean(x["top1_agreement"] for x in v) for k, v in {"all": part, **kinds}.items()}
     line = {"tag": tag, "sender": sender, "receiver": receiver, "sets": sets, "plain": plain, "stage": stage,
