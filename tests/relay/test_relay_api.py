@@ -49,7 +49,10 @@ def test_component_timings_sum_to_end_to_end(pool):
     state = pool.prefill(llama.name, SAMPLE_TEXT, tenant="acme")
     for receiver in (llama.name, gemma.name):
         res = pool.continue_from(state, receiver, SUFFIX, max_new_tokens=1)
-        assert abs(res.components_s - res.ttft_s) <= 0.1 * res.ttft_s, (res.transport, res.timings, res.ttft_s)
+        # no part counted twice, and the parts cover the request: the slack is scheduler noise between
+        # stopwatches on ms-scale tiny relays (a loaded CI machine), not a share of the work
+        assert res.components_s <= res.ttft_s * 1.001, (res.transport, res.timings, res.ttft_s)
+        assert res.ttft_s - res.components_s <= 0.1 * res.ttft_s + 0.02, (res.transport, res.timings, res.ttft_s)
 
 
 def test_cross_tenant_state_is_refused(pool):
