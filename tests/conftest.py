@@ -49,6 +49,15 @@ def zero_artifact(sender, receiver):
     return make(sender, receiver)
 
 
+def assert_components_cover_ttft(res, share: float) -> None:
+    """A relay result's component stopwatches never add up to more than its TTFT (no part counted twice) and
+    cover it up to `share` plus 20 ms: scheduler noise between stopwatches on ms-scale tiny relays (a loaded CI
+    machine), not a share of the work."""
+    detail = (res.transport, res.timings, res.ttft_s)
+    assert res.components_s <= res.ttft_s * 1.001, detail
+    assert res.ttft_s - res.components_s <= share * res.ttft_s + 0.02, detail
+
+
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch):
     """A fresh cache for one test, so its store key (seal.py) and states are its own."""

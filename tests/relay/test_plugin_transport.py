@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import SAMPLE_TEXT
+from conftest import SAMPLE_TEXT, assert_components_cover_ttft
 from ctxrelay import transports
 from ctxrelay.artifact import Artifact, model_binding
 from ctxrelay.models import runner
@@ -137,8 +137,8 @@ def test_a_request_whose_estimate_fails_escalates_to_the_next_point(points_pool)
     res = pool.continue_from(state, a2.name, SUFFIX, max_new_tokens=2)
     assert res.transport == "toy-points" and res.decision["point"] == "good"
     assert "estimated top-1 for this request 0.95" in res.reason and "cheap: estimated top-1 0.50 < 0.85" in res.reason
-    assert res.timings["rejected_relay_s"] > 0 and res.components_s <= res.ttft_s * 1.001
-    assert res.ttft_s - res.components_s <= 0.2 * res.ttft_s + 0.02  # the slack: stopwatch noise under load
+    assert res.timings["rejected_relay_s"] > 0
+    assert_components_cover_ttft(res, 0.2)
 
 
 def test_a_request_no_point_estimates_good_enough_gets_native_with_the_reason(points_pool):
