@@ -37,6 +37,8 @@ class Artifact:
     params: dict = field(default_factory=dict)  # what calibration chose (r, p, B, mapping, ranks...)
     quality: dict = field(default_factory=dict)  # measured vs the receiver's native prefill
     command: str = ""  # the command that produced it
+    # its tensors' sha256 as read from a file ("" for one built in memory): which artifact a cost was measured with
+    digest: str = ""
 
     @property
     def edge(self) -> tuple[str, str]:
@@ -111,4 +113,5 @@ class Artifact:
             params=m.get("params", {}),
             quality=m.get("quality", {}),
             command=str(m.get("command", "")),
+            digest=str(m.get("payload_sha256", "")),
         )

@@ -2,8 +2,11 @@
 
 import pytest
 
+from ctxrelay.artifact import Artifact
 from ctxrelay.bench import cost_model
 from ctxrelay.bench.demo import text_for
+from ctxrelay.models.capture import capture_state
+from ctxrelay.relay.gate import decide
 from ctxrelay.relay.graph import Profile
 from ctxrelay.relay.profile import profile_pool, refit_profile
 from ctxrelay.serve.testing import relay_pool
@@ -42,6 +45,33 @@ def test_only_missing_measures_the_points_a_profile_lacks_and_keeps_the_rest(poo
     assert all(pool.profile.edges[k] is kept[k] for k in kept if k != dropped)  # not measured again
     assert len(pool.profile.edges[dropped].samples) == 2
     assert {h: list(cm.samples) for h, cm in pool.profile.native.items()} == native
+
+
+def test_a_swapped_artifact_is_not_judged_by_the_cost_its_predecessor_measured(pool, tmp_path):
+    """A recalibrated or upgraded artifact may relay at another cost: the gate does not use the old one's
+    cost model, says why, and `--only-missing` measures the new one (and nothing else)."""
+    pool.refresh(Profile())
+    profile_pool(pool, text_for, [64, 128], repeats=1)
+    (edge,) = pool.graph.calibrated
+    assert edge.artifact_digest and all(p.cost.artifact == edge.artifact_digest for p in edge.points)
+    pool.profile.save(tmp_path / "profile.json")  # the digest survives the stored profile
+    stored = Profile.load(tmp_path / "profile.json").edges
+    assert {k: cm.artifact for k, cm in stored.items()} == {k: cm.artifact for k, cm in pool.profile.edges.items()}
+    art = Artifact.load(edge.artifact_path)
+    art.tensors = {k: v + 0.01 for k, v in art.tensors.items()}  # recalibrated: other tensors, same edge
+    art.save(edge.artifact_path)
+    pool.refresh()
+    (edge2,) = pool.graph.calibrated
+    assert edge2.artifact_digest != edge.artifact_digest
+    assert all(p.cost is None and p.stale_cost for p in edge2.points)
+    s, r = pool.models.values()
+    d = decide(pool.graph, capture_state(s, text_for(s, 64), "t"), r.spec.weights_hash, 64, quality_threshold=0.0)
+    assert d.transport == "native" and "measured with another artifact" in d.reason
+    native = {h: list(cm.samples) for h, cm in pool.profile.native.items()}
+    profile_pool(pool, text_for, [64, 128], repeats=1, only_missing=True)
+    (edge3,) = pool.graph.calibrated
+    assert all(p.cost is not None and p.cost.artifact == edge2.artifact_digest for p in edge3.points)
+    assert {h: list(cm.samples) for h, cm in pool.profile.native.items()} == native  # not measured again
 
 
 def test_predicted_vs_measured_rows_and_plot(pool, tmp_path):

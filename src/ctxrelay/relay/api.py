@@ -103,9 +103,11 @@ class ModelPool:
         return self._graph
 
     def refresh(self, profile: Profile | None = None) -> None:
+        """Build the graph again from the artifact folders as they are now (files read again) and `profile`."""
         if profile is not None:
             self.profile = profile
         self._graph = None
+        self._artifacts.clear()
 
     def artifact(self, path: Path) -> Artifact:
         if path not in self._artifacts:

@@ -252,6 +252,11 @@ def _not_worth_it(c: Candidate, native_s: float | None, threshold: float, min_sp
         return why
     if native_s is None:
         return "no native cost profile for the receiver (run `ctxrelay profile`)"
+    if c.predicted_s is None and c.point.stale_cost:
+        return (
+            "its cost profile was measured with another artifact than the one installed "
+            "(run `ctxrelay profile --only-missing`)"
+        )
     if c.predicted_s is None:
         return "no cost profile for this edge (run `ctxrelay profile`)"
     if c.predicted_s * min_speedup >= native_s:

@@ -33,6 +33,9 @@ class CostModel:
 
     coeffs: dict[str, list[float]]
     samples: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    # the digest of the artifact the samples were measured with ("" where none or not recorded: profiles
+    # written before 2026-12-06 are trusted as they were); a swapped artifact makes them another edge's costs
+    artifact: str = ""
 
     @staticmethod
     def fit(samples: list[tuple[int, dict[str, float]]]) -> CostModel:
@@ -60,14 +63,15 @@ class CostModel:
         return sum(self.predict(n_tokens).values())
 
     def to_json(self) -> dict:
-        return {"coeffs": self.coeffs, "samples": [[n, d] for n, d in self.samples]}
+        out = {"coeffs": self.coeffs, "samples": [[n, d] for n, d in self.samples]}
+        return {**out, "artifact": self.artifact} if self.artifact else out
 
     @staticmethod
     def from_json(d: dict) -> CostModel:
         """A stored cost model, checked: three finite coefficients per component, samples of (tokens, seconds)."""
-        coeffs, samples = d["coeffs"], d.get("samples", [])
-        if not isinstance(coeffs, dict) or not isinstance(samples, list):
-            raise ValueError("coeffs must be an object and samples a list")
+        coeffs, samples, artifact = d["coeffs"], d.get("samples", []), d.get("artifact", "")
+        if not isinstance(coeffs, dict) or not isinstance(samples, list) or not isinstance(artifact, str):
+            raise ValueError("coeffs must be an object, samples a list and artifact a string")
         for c, v in coeffs.items():
             if not isinstance(v, list) or len(v) != 3 or not all(_finite(x) for x in v):
                 raise ValueError(f"component {c!r} needs three finite coefficients")
@@ -76,7 +80,7 @@ class CostModel:
             if type(n) is not int or not isinstance(x, dict) or not all(_finite(t) for t in x.values()):
                 raise ValueError("a sample is [tokens, {component: seconds}]")
             out.append((n, dict(x)))
-        return CostModel({c: [float(a) for a in v] for c, v in coeffs.items()}, out)
+        return CostModel({c: [float(a) for a in v] for c, v in coeffs.items()}, out, artifact)
 
 
 def _finite(x) -> bool:
@@ -99,6 +103,7 @@ class OperatingPoint:
     options: dict  # relay_prefill keywords
     quality: dict  # calibrated against native: top1_agreement, ...
     cost: CostModel | None = None
+    stale_cost: bool = False  # the profile holds a cost for it, measured with another artifact (not used)
 
 
 @dataclass
@@ -111,6 +116,7 @@ class Edge:
     params: dict
     exact: bool = False  # the transport reproduces native prefill (no quality or cost gate)
     points: list[OperatingPoint] = field(default_factory=list)
+    artifact_digest: str = ""  # Artifact.digest of the file at artifact_path
 
     @property
     def key(self) -> str:
@@ -200,11 +206,20 @@ def _not_in_pool(art: Artifact, nodes: dict[str, Node], swapped: dict[str, str])
     return "calibrated for model versions not in the pool (" + "; ".join(why) + ")"
 
 
+def measured_with(cost: CostModel, edge: Edge) -> bool:
+    """Whether `cost` was measured with the edge's installed artifact (or either does not say)."""
+    return not cost.artifact or not edge.artifact_digest or cost.artifact == edge.artifact_digest
+
+
 def _with_points(edge: Edge, t, profile: Profile) -> Edge:
-    """The transport's operating points for this edge, each with its measured cost model."""
+    """The transport's operating points for this edge, each with its measured cost model: none where the
+    profile measured another artifact (a recalibrated or upgraded one; its relay may cost differently)."""
     for p in t.operating_points(edge.params, edge.quality):
         point = OperatingPoint(p.get("label", ""), dict(p.get("options", {})), dict(p.get("quality", {})))
-        point.cost = profile.edges.get(edge.point_key(point))
+        cost = profile.edges.get(edge.point_key(point))
+        if cost is not None and not measured_with(cost, edge):
+            cost, point.stale_cost = None, True
+        point.cost = cost
         edge.points.append(point)
     return edge
 
@@ -240,7 +255,16 @@ class TransportGraph:
             if s not in nodes or r not in nodes:
                 skipped.append(f"{path.name}: {_not_in_pool(art, nodes, swapped)}")
                 continue
-            edge = Edge(art.transport, art.sender, art.receiver, path, art.quality, art.params, exact=t.exact)
+            edge = Edge(
+                art.transport,
+                art.sender,
+                art.receiver,
+                path,
+                art.quality,
+                art.params,
+                exact=t.exact,
+                artifact_digest=art.digest,
+            )
             edges.append(_with_points(edge, t, profile))
         for t in transports.loaded():  # pairs a transport serves without an artifact
             for a in models:

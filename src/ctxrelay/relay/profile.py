@@ -20,7 +20,7 @@ from ctxrelay.models import runner
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.relay.api import ModelPool
-from ctxrelay.relay.graph import NATIVE_KEY, CostModel, Profile
+from ctxrelay.relay.graph import NATIVE_KEY, CostModel, Profile, measured_with
 from ctxrelay.relay.store import DiskStore, StateKey, StoreUnavailable
 from ctxrelay.state import ContextState, content_hash
 from ctxrelay.timing import median_components
@@ -107,6 +107,7 @@ def refit_profile(path: Path) -> Path:
         for key, cm in models.items():
             if cm.samples:
                 models[key] = CostModel.fit(cm.samples)
+                models[key].artifact = cm.artifact
     prof.save(path)
     return path
 
@@ -125,7 +126,7 @@ def profile_pool(
     # exact edges (a model's own K/V) need no cost model: the gate takes them whenever they apply
     points = [
         (e, p) for e in pool.graph.edges if not e.exact for p in e.points
-        if not (only_missing and e.point_key(p) in prof.edges)
+        if not (only_missing and e.point_key(p) in prof.edges and measured_with(prof.edges[e.point_key(p)], e))
     ]  # fmt: skip
     work = len(lengths) * (len(models) + len(points))
     bar = tqdm(total=work, desc="profile", unit="pt")
@@ -145,7 +146,9 @@ def profile_pool(
             samples.append(measure_point(pool, e, p, text_for(sender, n), repeats))
             bar.update()
         old = prof.edges.get(e.point_key(p)) if merge else None
+        old = old if old is not None and measured_with(old, e) else None  # another artifact's samples go
         prof.edges[e.point_key(p)] = _merged(old, samples)
+        prof.edges[e.point_key(p)].artifact = e.artifact_digest
     bar.close()
     pool.refresh(prof)
     return prof
