@@ -355,6 +355,8 @@ def recompute(
     attend: str = "all",
     signals: Collection[str] = SIGNALS,
     suffix: torch.Tensor | None = None,
+    attended: torch.Tensor | None = None,
+    suffix_attends: bool = True,
 ) -> tuple[runner.ForwardOut, dict]:
     """Overwrite the cache at `positions` with the receiver's own K/V, all layers, in one pass, and
     return cheap per-request signals of how close the result is to native (the estimate's inputs).
@@ -370,7 +372,10 @@ def recompute(
     them, teacher-forced) and translated_attention (the share of their attention that lands on
     translated entries, averaged over sampled layers and heads). Only the `signals` named are measured:
     tail_nll / tail_confidence need the LM head over the tail (into gemma3, a 262k vocabulary: 0.15 s,
-    8% of a relay at 4096 tokens), so serving measures only what the gate acts on."""
+    8% of a relay at 4096 tokens), so serving measures only what the gate acts on.
+    `attended` ([t] floats, optional): adds, in every layer, the attention the context's recomputed last
+    tokens (and the suffix's rows where `suffix_attends`: a question, not a teacher-forced continuation)
+    give each context position, summed over heads and rows (second_pass_positions reads it)."""
     if attend not in ("all", "own"):
         raise UsageError(f"recompute attend must be 'all' or 'own', not {attend!r}")
     t, n = ids.shape[0], positions.numel()
@@ -388,14 +393,21 @@ def recompute(
     while run < min(TAIL + 1, t) and bool(own[t - 1 - run]):
         run += 1
     mass: list[float] = []
+    tail_signal = run >= 2 and "translated_attention" in signals
+    rows = slice(n - run, n + (extra if attended is not None and suffix_attends else 0))
 
     def watch(c):
-        if run >= 2 and "translated_attention" in signals:
-            p = torch.softmax(attention_logits(c, slice(n - run, n)).float(), -1)  # [H, run, S]
-            mass.append(float(p[..., ~own[: p.shape[-1]]].sum(-1).mean()))
+        if attended is None and not tail_signal:
+            return native_attention(c)
+        p = torch.softmax(attention_logits(c, rows if attended is not None else slice(n - run, n)).float(), -1)
+        if tail_signal and c.layer in layers:  # p[:, :run]: [H, run, S], the context's last tokens
+            mass.append(float(p[:, :run][..., ~own[: p.shape[-1]]].sum(-1).mean()))
+        if attended is not None:
+            attended.add_(p[..., :t].sum((0, 1)))
         return native_attention(c)
 
-    watched = dict.fromkeys(layers, watch) if "translated_attention" in signals else None
+    watching = range(m.spec.num_layers) if attended is not None else layers if tail_signal else ()
+    watched = dict.fromkeys(watching, watch) or None
     run_ids, run_pos = ids[positions], positions
     if extra:
         run_ids, run_pos = torch.cat([run_ids, suffix]), torch.cat([positions, torch.arange(t, t + extra)])
@@ -415,6 +427,18 @@ def recompute(
     if mass:
         measured["translated_attention"] = sum(mass) / len(mass)
     return out, {k: v for k, v in measured.items() if k in signals}
+
+
+def second_pass_positions(attended: torch.Tensor, translated: torch.Tensor, budget: int) -> torch.Tensor:
+    """The `budget` translated positions the first pass's queries attended to most (sorted): a translated
+    entry the recomputed tokens lean on and native gives no weight bends them (into smollm2 such entries
+    drew its answers towards ending the text), so the second pass makes it the receiver's own."""
+    score = attended.masked_fill(~translated, -1.0)
+    k = min(int(budget), int(translated.sum()))
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    top = torch.topk(score, k).indices
+    return top[score[top] > 0].sort().values
 
 
 @torch.inference_mode()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from ctxrelay.artifact import Artifact, model_binding
 from ctxrelay.errors import UsageError
@@ -25,7 +26,16 @@ from ctxrelay.timing import Stopwatch
 from ctxrelay.transports.base import RelayOutput, check_edge
 from ctxrelay.transports.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
 from ctxrelay.transports.heterofold.maps import FoldMaps, translate
-from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate, estimate_model, hiding_gap, select, trusts
+from ctxrelay.transports.heterofold.recompute import (
+    SIGNALS,
+    TAIL,
+    estimate,
+    estimate_model,
+    hiding_gap,
+    second_pass_positions,
+    select,
+    trusts,
+)
 from ctxrelay.transports.heterofold.recompute import recompute as recompute_positions
 
 TRANSPORT = "heterofold"
@@ -145,6 +155,7 @@ def relay_prefill(
     hide_translated: int = 0,
     signals: Literal["estimate", "all"] = "estimate",
     own_layers: int | None = None,
+    second_pass: float = 0.0,
 ) -> RelayOutput:
     """Receiver cache for `state.text` from the sender's K/V, then `suffix_ids` natively.
 
@@ -161,6 +172,9 @@ def relay_prefill(
     info["estimate_unused"] (calibration and quality benchmarks). Neither changes the cache or logits.
     own_layers = k: the receiver's own K/V for every context token in its first k layers (assemble_cache);
     default: what the artifact serves (own_layers_of).
+    second_pass = g > 0 (with recompute): a second pass recomputes the g x context tokens still translated
+    that the first pass's last context tokens and question attended to most (second_pass_positions), and
+    the context's last tokens and the suffix again over them.
     """
     sw = Stopwatch()
     with sw("translate_s"):
@@ -174,6 +188,8 @@ def relay_prefill(
         suffix = torch.as_tensor(suffix_ids, dtype=torch.long).view(-1)
         if signals not in ("estimate", "all"):
             raise UsageError(f"signals must be 'estimate' or 'all', not {signals!r}")
+        if not 0.0 <= second_pass <= 1.0:
+            raise UsageError(f"second_pass must be a fraction of the context in [0, 1], got {second_pass}")
         if suffix.numel() and (int(suffix.min()) < 0 or int(suffix.max()) >= receiver.spec.vocab_size):
             raise ValueError(f"suffix ids must be token ids of {receiver.name} (0..{receiver.spec.vocab_size - 1})")
         ids, offsets = tokenize_context(receiver, state.text)
@@ -205,12 +221,19 @@ def relay_prefill(
             if hide_translated > 0:  # hidden from the suffix and later tokens, not from recomputed ones
                 cache.hide(translated, hide_translated, own_layers)
     measured: dict = {}
+    info_extra: dict = {}
     # with recompute the suffix runs in the recompute pass (one read of the receiver's weights, not two):
     # recompute_s holds the suffix's rows (and the hiding gap where measured), first_token_s the LM head
     merged = picked is not None and picked.positions.numel() > 0
     if merged:
         with sw("recompute_s"):
-            out, measured = recompute_positions(receiver, ids, cache, picked.positions, attend, wanted, suffix)
+            attended = torch.zeros(ids.numel()) if second_pass > 0 else None
+            out, measured = recompute_positions(
+                receiver, ids, cache, picked.positions, attend, wanted, suffix, attended, query != ""
+            )
+            if attended is not None:
+                out, again, translated = _second_pass(receiver, ids, cache, picked, al, attended, second_pass, suffix)
+                info_extra["second_pass"] = again
             if "hiding_gap" in wanted:  # the first suffix row again under the other hiding
                 first_row = out.hidden[:, -suffix.numel() :][:, :1]
                 gap = hiding_gap(receiver, cache, suffix[:1], first_row, translated, hide_translated, own_layers)
@@ -240,17 +263,33 @@ def relay_prefill(
         info["own_layers"] = own_layers
     if picked is not None:
         info.update(
-            recompute_fraction=picked.positions.numel() / max(1, ids.numel()),
+            recompute_fraction=(picked.positions.numel() + info_extra.get("second_pass", 0)) / max(1, ids.numel()),
             selection=picked.rule,
             attend=attend,
             recomputed=int(picked.positions.numel()),
             **picked.info,
             **measured,
+            **info_extra,
         )
     est = estimate(model, info) if signals == "all" or trusts(model) else None
     if est is not None:  # the gate checks info["estimate"]; one that ranks too weakly is only reported
         info["estimate" if trusts(model) else "estimate_unused"] = est
     return RelayOutput(out.cache, out.logits, sw.timings, info)
+
+
+def _second_pass(receiver, ids, cache, picked, al, attended, share, suffix) -> tuple[runner.ForwardOut, int, Tensor]:
+    """Recompute the translated positions the first pass attended to most, with the context's recomputed
+    last tokens and the suffix again (they attended to what changed); the hidden mask follows. Returns the
+    pass's output, how many positions it added and the positions still translated."""
+    t = ids.numel()
+    translated = translated_mask(t, al.native, picked)
+    extra = second_pass_positions(attended, translated, round(share * t))
+    translated[extra] = False
+    if cache.hidden is not None:  # what the second pass made the receiver's own is no longer hidden
+        cache.hidden[extra] = False
+    last = picked.positions[picked.positions >= t - TAIL - 1]
+    out, _ = recompute_positions(receiver, ids, cache, torch.cat([extra, last]).unique(), "all", (), suffix)
+    return out, int(extra.numel()), translated
 
 
 def translated_mask(n: int, native: list[int], picked=None) -> torch.Tensor:
