@@ -69,7 +69,6 @@ OPTIONS = {
     "answer_tokens": 24,
     "attend": "all",
     "hide": 0,  # hide_translated: the question and answer skip translated entries in the first k layers
-    "second_pass": 0.0,  # relay_prefill's second_pass: a second recompute of the most attended translated entries
     "warmup": 1,
     "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts
     "seed": 0,  # case i draws its essay and fact from seed + i: seeds closer than the case count share cases
@@ -78,8 +77,7 @@ OPTIONS = {
     "redo": "",  # comma list of rules whose kept rows of this phase are measured again (the rule changed)
     "redo_datasets": "",  # with redo: only rows of these datasets (comma list of needle, sharegpt; empty: all)
 }
-CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "hide", "ref_tokenizer", "seed",
-                "second_pass")  # fmt: skip
+CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "hide", "ref_tokenizer", "seed")
 
 
 @dataclass
@@ -167,8 +165,7 @@ def native_ref(r, case: Case, opts: dict) -> NativeRef:
 def relay_options(rule: str, f: float, opts: dict) -> dict:
     """relay_prefill's options for a point (plain translation, f = 0, hides nothing)."""
     hide = int(opts["hide"]) if f else 0
-    kw = {"recompute": f, "selection": rule if f else "mix", "attend": opts["attend"], "hide_translated": hide}
-    return {**kw, "second_pass": float(opts["second_pass"])} if f and float(opts.get("second_pass", 0)) else kw
+    return {"recompute": f, "selection": rule if f else "mix", "attend": opts["attend"], "hide_translated": hide}
 
 
 def hide_field(f: float, opts: dict) -> dict:
@@ -278,8 +275,7 @@ def bench(
     command = command or f"ctxrelay bench heterofold-frontier --lengths {','.join(map(str, lengths))}"
     cases = build_cases(ref_tokenizer(opts["ref_tokenizer"]), sorted(lengths), opts)
     arts = {d: _artifact(*d) for d in dirs}
-    # runs before hide and second_pass existed: the same as with them at 0
-    case_opts = {k: opts[k] for k in CASE_OPTIONS if k not in ("hide", "second_pass") or float(opts[k])}
+    case_opts = {k: opts[k] for k in CASE_OPTIONS if k != "hide" or int(opts[k])}  # runs before hide: the same
     extra = {"options": case_opts, "lengths": sorted(lengths), "repeats": repeats}
     extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
 

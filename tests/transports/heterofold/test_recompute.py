@@ -139,7 +139,7 @@ def test_every_rule_picks_valid_positions_within_its_budget(tiny_by_family, rule
     out = relay_prefill(receiver, state, zero_artifact(sender, receiver), suffix, recompute=0.3, selection=rule)
     ids, offsets = tokenize_context(receiver, CONTEXT)
     n, longest = len(ids), max(g.numel() for g in sentence_tokens(offsets, CONTEXT))
-    sentence_rules = ("lexical", "mix", "embedding", "adaptive")  # the best sentence goes in whole
+    sentence_rules = ("lexical", "mix", "embedding", "adaptive", "mix2")  # the best sentence goes in whole
     assert 0 < out.info["recomputed"] <= 0.3 * n + 1 + (longest if rule in sentence_rules else 0)
     assert out.info["selection"] == rule and out.cache.length == n + len(suffix)
 

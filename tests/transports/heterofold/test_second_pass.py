@@ -1,7 +1,9 @@
-"""heterofold's second recompute pass: the translated entries the first pass's queries leaned on most."""
+"""heterofold's mix2 rule: a second recompute pass over the translated entries the first pass's queries leaned
+on most."""
 
 import pytest
 import torch
+from test_recompute import CONTEXT, PAIRS, QUESTION, TOL
 
 from conftest import zero_artifact
 from ctxrelay.errors import UsageError
@@ -9,8 +11,7 @@ from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.transports.heterofold import relay_prefill
-from ctxrelay.transports.heterofold.recompute import second_pass_positions
-from test_recompute import CONTEXT, PAIRS, QUESTION, TOL
+from ctxrelay.transports.heterofold.recompute import SECOND_SHARE, second_pass_positions
 
 
 def _translated_rows(cache, n: int) -> int:
@@ -25,8 +26,8 @@ def test_a_second_pass_after_recomputing_everything_is_still_native_prefill(tiny
     suffix = suffix_ids(receiver, QUESTION)
     native = runner.forward(receiver, torch.cat([context_ids(receiver, CONTEXT), suffix]), logits="all")
     out = relay_prefill(receiver, state, zero_artifact(sender, receiver), suffix, logits="all", recompute=1.0,
-                        second_pass=0.3)  # fmt: skip
-    assert out.info["second_pass"] == 0
+                        selection="mix2")  # fmt: skip
+    assert out.info["recompute_fraction"] == 1.0 and "second_pass" not in out.info
     assert (out.logits - native.logits[-len(suffix) :]).abs().max() < TOL
 
 
@@ -38,11 +39,13 @@ def test_the_second_pass_makes_its_share_of_translated_entries_the_receivers_own
     suffix = suffix_ids(receiver, QUESTION)
     art = zero_artifact(sender, receiver)
     n = context_ids(receiver, CONTEXT).numel()
-    one = relay_prefill(receiver, state, art, suffix, logits="all", recompute=0.2, hide_translated=hide)
-    two = relay_prefill(receiver, state, art, suffix, logits="all", recompute=0.2, hide_translated=hide,
-                        second_pass=0.1)  # fmt: skip
-    # every translated entry draws some attention from the last tokens: the whole budget is spent
-    assert two.info["second_pass"] == round(0.1 * n) > 0
+    f = 0.5
+    one = relay_prefill(receiver, state, art, suffix, logits="all", recompute=f * (1 - SECOND_SHARE),
+                        hide_translated=hide)  # fmt: skip
+    two = relay_prefill(receiver, state, art, suffix, logits="all", recompute=f, selection="mix2", hide_translated=hide)
+    # the first pass is mix over its share; every translated entry draws some attention from the last tokens,
+    # so the second pass spends the rest of the budget
+    assert two.info["second_pass"] == round(f * n) - round(f * (1 - SECOND_SHARE) * n) > 0
     assert _translated_rows(one.cache, n) - _translated_rows(two.cache, n) == two.info["second_pass"]
     assert two.info["recompute_fraction"] == pytest.approx(one.info["recompute_fraction"] + two.info["second_pass"] / n)
     assert (two.logits - one.logits).abs().max() > 0  # the pass changed what the question sees
@@ -53,17 +56,17 @@ def test_the_second_pass_makes_its_share_of_translated_entries_the_receivers_own
 
 def test_a_teacher_forced_continuation_does_not_choose_what_is_recomputed(tiny_by_family):
     """With query="" (a continuation scored token by token, not a question) only the context's own last
-    tokens choose the second pass: two continuations get the same positions."""
+    tokens choose the second pass: two continuations get the same positions (and a question does choose)."""
     sender, receiver = tiny_by_family["llama"], tiny_by_family["gemma3"]
     state = capture_state(sender, CONTEXT, "t")
     art = zero_artifact(sender, receiver)
     n = context_ids(receiver, CONTEXT).numel()
     zero_rows = []
     for text in (" The end of the story was near.", " Numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14."):
-        out = relay_prefill(receiver, state, art, suffix_ids(receiver, text), recompute=0.2, query="",
-                            second_pass=0.05)  # fmt: skip
+        out = relay_prefill(receiver, state, art, suffix_ids(receiver, text), recompute=0.3, selection="mix2",
+                            query="")  # fmt: skip
         zero_rows.append(out.cache.keys[-1][0, :, :n].abs().sum((0, 2)) == 0)
-    assert torch.equal(zero_rows[0], zero_rows[1])
+    assert torch.equal(zero_rows[0], zero_rows[1]) and out.info["second_pass"] > 0
 
 
 def test_second_pass_positions_are_the_most_attended_translated_ones():
@@ -74,9 +77,9 @@ def test_second_pass_positions_are_the_most_attended_translated_ones():
     assert second_pass_positions(attended, translated, 0).numel() == 0
 
 
-def test_a_bad_second_pass_is_a_clear_error(tiny_by_family):
+def test_a_bad_fraction_for_mix2_is_a_clear_error(tiny_by_family):
     sender, receiver = tiny_by_family["llama"], tiny_by_family["qwen2"]
     state = capture_state(sender, CONTEXT, "t")
-    with pytest.raises(UsageError, match=r"second_pass must be a fraction"):
-        relay_prefill(receiver, state, zero_artifact(sender, receiver), suffix_ids(receiver, QUESTION), recompute=0.2,
-                      second_pass=1.5)  # fmt: skip
+    with pytest.raises(UsageError, match=r"in \[0, 1\]"):
+        relay_prefill(receiver, state, zero_artifact(sender, receiver), suffix_ids(receiver, QUESTION), recompute=1.5,
+                      selection="mix2")  # fmt: skip

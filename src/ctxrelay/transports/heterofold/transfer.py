@@ -155,7 +155,6 @@ def relay_prefill(
     hide_translated: int = 0,
     signals: Literal["estimate", "all"] = "estimate",
     own_layers: int | None = None,
-    second_pass: float = 0.0,
 ) -> RelayOutput:
     """Receiver cache for `state.text` from the sender's K/V, then `suffix_ids` natively.
 
@@ -172,9 +171,9 @@ def relay_prefill(
     info["estimate_unused"] (calibration and quality benchmarks). Neither changes the cache or logits.
     own_layers = k: the receiver's own K/V for every context token in its first k layers (assemble_cache);
     default: what the artifact serves (own_layers_of).
-    second_pass = g > 0 (with recompute): a second pass recomputes the g x context tokens still translated
-    that the first pass's last context tokens and question attended to most (second_pass_positions), and
-    the context's last tokens and the suffix again over them.
+    selection="mix2": a first pass (mix), then a second that recomputes the rest of the budget from the
+    positions still translated that the first pass's last context tokens and question attended to most
+    (second_pass_positions), and the context's last tokens and the suffix again over them.
     """
     sw = Stopwatch()
     with sw("translate_s"):
@@ -188,8 +187,6 @@ def relay_prefill(
         suffix = torch.as_tensor(suffix_ids, dtype=torch.long).view(-1)
         if signals not in ("estimate", "all"):
             raise UsageError(f"signals must be 'estimate' or 'all', not {signals!r}")
-        if not 0.0 <= second_pass <= 1.0:
-            raise UsageError(f"second_pass must be a fraction of the context in [0, 1], got {second_pass}")
         if suffix.numel() and (int(suffix.min()) < 0 or int(suffix.max()) >= receiver.spec.vocab_size):
             raise ValueError(f"suffix ids must be token ids of {receiver.name} (0..{receiver.spec.vocab_size - 1})")
         ids, offsets = tokenize_context(receiver, state.text)
@@ -227,12 +224,13 @@ def relay_prefill(
     merged = picked is not None and picked.positions.numel() > 0
     if merged:
         with sw("recompute_s"):
-            attended = torch.zeros(ids.numel()) if second_pass > 0 else None
+            budget = int(picked.info.get("second_pass_budget", 0))
+            attended = torch.zeros(ids.numel()) if budget > 0 else None
             out, measured = recompute_positions(
                 receiver, ids, cache, picked.positions, attend, wanted, suffix, attended, query != ""
             )
             if attended is not None:
-                out, again, translated = _second_pass(receiver, ids, cache, picked, al, attended, second_pass, suffix)
+                out, again, translated = _second_pass(receiver, ids, cache, picked, al, attended, budget, suffix)
                 info_extra["second_pass"] = again
             if "hiding_gap" in wanted:  # the first suffix row again under the other hiding
                 first_row = out.hidden[:, -suffix.numel() :][:, :1]
@@ -262,11 +260,12 @@ def relay_prefill(
     if own_layers:
         info["own_layers"] = own_layers
     if picked is not None:
+        recomputed = int(picked.positions.numel()) + info_extra.get("second_pass", 0)  # both passes
         info.update(
-            recompute_fraction=(picked.positions.numel() + info_extra.get("second_pass", 0)) / max(1, ids.numel()),
+            recompute_fraction=recomputed / max(1, ids.numel()),
             selection=picked.rule,
             attend=attend,
-            recomputed=int(picked.positions.numel()),
+            recomputed=recomputed,
             **picked.info,
             **measured,
             **info_extra,
@@ -277,13 +276,13 @@ def relay_prefill(
     return RelayOutput(out.cache, out.logits, sw.timings, info)
 
 
-def _second_pass(receiver, ids, cache, picked, al, attended, share, suffix) -> tuple[runner.ForwardOut, int, Tensor]:
+def _second_pass(receiver, ids, cache, picked, al, attended, budget, suffix) -> tuple[runner.ForwardOut, int, Tensor]:
     """Recompute the translated positions the first pass attended to most, with the context's recomputed
     last tokens and the suffix again (they attended to what changed); the hidden mask follows. Returns the
     pass's output, how many positions it added and the positions still translated."""
     t = ids.numel()
     translated = translated_mask(t, al.native, picked)
-    extra = second_pass_positions(attended, translated, round(share * t))
+    extra = second_pass_positions(attended, translated, budget)
     translated[extra] = False
     if cache.hidden is not None:  # what the second pass made the receiver's own is no longer hidden
         cache.hidden[extra] = False
