@@ -74,6 +74,22 @@ def test_a_swapped_artifact_is_not_judged_by_the_cost_its_predecessor_measured(p
     assert {h: list(cm.samples) for h, cm in pool.profile.native.items()} == native  # not measured again
 
 
+def test_a_cost_recorded_before_digests_is_used_and_measured_again_by_only_missing(pool):
+    """Profiles written before costs recorded their artifact: the gate still uses them (nothing to tell it
+    otherwise), and `--only-missing` measures them again, tied to the installed artifact."""
+    pool.refresh(Profile())
+    profile_pool(pool, text_for, [64, 128], repeats=1)
+    for cm in pool.profile.edges.values():
+        cm.artifact = ""  # as a profile from an earlier version stored it
+    pool.refresh(pool.profile)
+    (edge,) = pool.graph.calibrated
+    assert all(p.cost is not None and not p.stale_cost for p in edge.points)
+    old = {k: list(cm.samples) for k, cm in pool.profile.edges.items()}
+    profile_pool(pool, text_for, [64, 128], repeats=1, only_missing=True)
+    assert all(cm.artifact == edge.artifact_digest for cm in pool.profile.edges.values())
+    assert set(pool.profile.edges) == set(old)
+
+
 def test_predicted_vs_measured_rows_and_plot(pool, tmp_path):
     profile_pool(pool, text_for, [64, 128, 256], repeats=1)
     rows = cost_model.measure(pool, [96, 192], repeats=1, tol=0.15)

@@ -97,6 +97,12 @@ def _merged(old: CostModel | None, new: list[tuple[int, dict[str, float]]]) -> C
     return CostModel.fit(sorted(kept + new, key=lambda s: s[0]))
 
 
+def _vouched(prof: Profile, e, p) -> bool:
+    """Whether the profile holds a cost for point `p` of edge `e` measured with the installed artifact."""
+    cost = prof.edges.get(e.point_key(p))
+    return cost is not None and cost.artifact == e.artifact_digest
+
+
 def refit_profile(path: Path) -> Path:
     """The profile at `path` with every cost model fitted again to its own samples (after a change of
     CostModel.fit; nothing is measured), written back in place."""
@@ -119,15 +125,16 @@ def profile_pool(
     """Fill `pool.profile` with native and edge costs at `lengths`; returns it (not saved).
 
     merge=True keeps each cost model's samples at other lengths and refits over all of them (a
-    profile extended to the lengths the pool serves, without measuring the old lengths again)."""
+    profile extended to the lengths the pool serves, without measuring the old lengths again).
+    only_missing=True measures the models and points the profile holds no cost for, and the points whose
+    cost it cannot tie to the installed artifact (measured with another, or before costs recorded which)."""
     prof = pool.profile
     prof.machine = {"torch_threads": torch.get_num_threads()}
     models = [m for m in pool.models.values() if not (only_missing and m.spec.weights_hash in prof.native)]
     # exact edges (a model's own K/V) need no cost model: the gate takes them whenever they apply
     points = [
-        (e, p) for e in pool.graph.edges if not e.exact for p in e.points
-        if not (only_missing and e.point_key(p) in prof.edges and measured_with(prof.edges[e.point_key(p)], e))
-    ]  # fmt: skip
+        (e, p) for e in pool.graph.edges if not e.exact for p in e.points if not (only_missing and _vouched(prof, e, p))
+    ]
     work = len(lengths) * (len(models) + len(points))
     bar = tqdm(total=work, desc="profile", unit="pt")
     for m in models:
