@@ -225,7 +225,7 @@ def relay_prefill(
     if merged:
         with sw("recompute_s"):
             budget = int(picked.info.get("second_pass_budget", 0))
-            attended = torch.zeros(ids.numel()) if budget > 0 else None
+            attended = torch.zeros(ids.numel(), device=receiver.device) if budget > 0 else None
             out, measured = recompute_positions(
                 receiver, ids, cache, picked.positions, attend, wanted, suffix, attended, query != ""
             )
@@ -282,7 +282,7 @@ def _second_pass(receiver, ids, cache, picked, al, attended, budget, suffix) -> 
     pass's output, how many positions it added and the positions still translated."""
     t = ids.numel()
     translated = translated_mask(t, al.native, picked)
-    extra = second_pass_positions(attended, translated, budget)
+    extra = second_pass_positions(attended.cpu(), translated, budget)
     translated[extra] = False
     if cache.hidden is not None:  # what the second pass made the receiver's own is no longer hidden
         cache.hidden[extra] = False
