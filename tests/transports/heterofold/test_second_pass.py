@@ -14,6 +14,13 @@ from ctxrelay.transports.heterofold import relay_prefill
 from ctxrelay.transports.heterofold.recompute import SECOND_SHARE, second_pass_positions
 
 
+def _case(tiny_by_family, s: str, r: str):
+    """(receiver, sender state of CONTEXT, QUESTION's ids, the zero artifact: only recompute fixes anything)."""
+    sender, receiver = tiny_by_family[s], tiny_by_family[r]
+    state, art = capture_state(sender, CONTEXT, "t"), zero_artifact(sender, receiver)
+    return receiver, state, suffix_ids(receiver, QUESTION), art
+
+
 def _translated_rows(cache, n: int) -> int:
     """Context positions whose last-layer keys are still the zero artifact's translation (all zeros)."""
     return int((cache.keys[-1][0, :, :n].abs().sum((0, 2)) == 0).sum())
@@ -21,12 +28,9 @@ def _translated_rows(cache, n: int) -> int:
 
 @pytest.mark.parametrize(("s", "r"), PAIRS)
 def test_a_second_pass_after_recomputing_everything_is_still_native_prefill(tiny_by_family, s, r):
-    sender, receiver = tiny_by_family[s], tiny_by_family[r]
-    state = capture_state(sender, CONTEXT, "t")
-    suffix = suffix_ids(receiver, QUESTION)
+    receiver, state, suffix, art = _case(tiny_by_family, s, r)
     native = runner.forward(receiver, torch.cat([context_ids(receiver, CONTEXT), suffix]), logits="all")
-    out = relay_prefill(receiver, state, zero_artifact(sender, receiver), suffix, logits="all", recompute=1.0,
-                        selection="mix2")  # fmt: skip
+    out = relay_prefill(receiver, state, art, suffix, logits="all", recompute=1.0, selection="mix2")
     assert out.info["recompute_fraction"] == 1.0 and "second_pass" not in out.info
     assert (out.logits - native.logits[-len(suffix) :]).abs().max() < TOL
 
@@ -34,10 +38,7 @@ def test_a_second_pass_after_recomputing_everything_is_still_native_prefill(tiny
 @pytest.mark.parametrize(("s", "r"), PAIRS)
 @pytest.mark.parametrize("hide", [0, 2])
 def test_the_second_pass_makes_its_share_of_translated_entries_the_receivers_own(tiny_by_family, s, r, hide):
-    sender, receiver = tiny_by_family[s], tiny_by_family[r]
-    state = capture_state(sender, CONTEXT, "t")
-    suffix = suffix_ids(receiver, QUESTION)
-    art = zero_artifact(sender, receiver)
+    receiver, state, suffix, art = _case(tiny_by_family, s, r)
     n = context_ids(receiver, CONTEXT).numel()
     f = 0.5
     one = relay_prefill(receiver, state, art, suffix, logits="all", recompute=f * (1 - SECOND_SHARE),
@@ -57,9 +58,7 @@ def test_the_second_pass_makes_its_share_of_translated_entries_the_receivers_own
 def test_a_teacher_forced_continuation_does_not_choose_what_is_recomputed(tiny_by_family):
     """With query="" (a continuation scored token by token, not a question) only the context's own last
     tokens choose the second pass: two continuations get the same positions (and a question does choose)."""
-    sender, receiver = tiny_by_family["llama"], tiny_by_family["gemma3"]
-    state = capture_state(sender, CONTEXT, "t")
-    art = zero_artifact(sender, receiver)
+    receiver, state, _, art = _case(tiny_by_family, "llama", "gemma3")
     n = context_ids(receiver, CONTEXT).numel()
     zero_rows = []
     for text in (" The end of the story was near.", " Numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14."):
@@ -78,8 +77,6 @@ def test_second_pass_positions_are_the_most_attended_translated_ones():
 
 
 def test_a_bad_fraction_for_mix2_is_a_clear_error(tiny_by_family):
-    sender, receiver = tiny_by_family["llama"], tiny_by_family["qwen2"]
-    state = capture_state(sender, CONTEXT, "t")
+    receiver, state, suffix, art = _case(tiny_by_family, "llama", "qwen2")
     with pytest.raises(UsageError, match=r"in \[0, 1\]"):
-        relay_prefill(receiver, state, zero_artifact(sender, receiver), suffix_ids(receiver, QUESTION), recompute=1.5,
-                      selection="mix2")  # fmt: skip
+        relay_prefill(receiver, state, art, suffix, recompute=1.5, selection="mix2")
