@@ -111,9 +111,8 @@ def run_demo(
     n_prompt = len(context_ids(sender, prompt))
     lengths = list(cfg.profile_lengths) or sorted({max(64, n_prompt // 4), max(128, n_prompt // 2), n_prompt})
     missing = [m for m in pool.models.values() if m.spec.weights_hash not in pool.profile.native]
-    missing_edges = [
-        p for e in pool.graph.edges if not e.exact for p in e.points if e.point_key(p) not in pool.profile.edges
-    ]
+    # points with no usable cost: never measured, or measured with an artifact since replaced
+    missing_edges = [p for e in pool.graph.edges if not e.exact for p in e.points if p.cost is None]
     if missing or missing_edges:
         console.print(f"measuring the cost model on this machine (once) at {lengths} tokens ...")
         profile_pool(pool, text_for, lengths, repeats=1, only_missing=True)
