@@ -38,7 +38,7 @@ class CostModel:
     artifact: str = ""
 
     @staticmethod
-    def fit(samples: list[tuple[int, dict[str, float]]]) -> CostModel:
+    def fit(samples: list[tuple[int, dict[str, float]]], artifact: str = "") -> CostModel:
         """Non-negative quadratic per component, fitted to relative error: the gate compares times as
         ratios, and an absolute fit let the longest lengths' seconds decide the short ones (profiled at
         524-8003 tokens, qwen-0.5b's native prefill at 1027 tokens was predicted 22% high by an absolute
@@ -54,7 +54,7 @@ class CostModel:
             w = 1.0 / np.maximum(y, max(1e-3 * float(y.max()), 1e-9))  # a near-zero time gets no huge weight
             x, _ = nnls(basis * w[:, None], y * w)
             coeffs[c] = [float(x[0]), float(x[1]) / 1e3, float(x[2]) / 1e6]
-        return CostModel(coeffs, list(samples))
+        return CostModel(coeffs, list(samples), artifact)
 
     def predict(self, n_tokens: int) -> dict[str, float]:
         return {c: a + b * n_tokens + q * n_tokens**2 for c, (a, b, q) in self.coeffs.items()}

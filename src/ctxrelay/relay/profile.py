@@ -89,12 +89,13 @@ def measure_point(pool: ModelPool, e, p, text: str, repeats: int) -> tuple[int, 
     return n_recv, median_components(once, repeats, warmup_s=WARMUP_S, measure_s=MEASURE_S)
 
 
-def _merged(old: CostModel | None, new: list[tuple[int, dict[str, float]]]) -> CostModel:
-    """A cost model fit to the new samples and the old ones at lengths not measured again."""
+def _merged(old: CostModel | None, new: list[tuple[int, dict[str, float]]], artifact: str = "") -> CostModel:
+    """A cost model fit to the new samples and the old ones at lengths not measured again (measured with
+    `artifact`, the digest of the artifact relayed with; "" for native prefill)."""
     lengths = {n for n, _ in new}
     # the same text length gives token counts a few apart across tokenizers: 5% counts as the same length
     kept = [s for s in (old.samples if old else []) if all(abs(s[0] - n) > 0.05 * n for n in lengths)]
-    return CostModel.fit(sorted(kept + new, key=lambda s: s[0]))
+    return CostModel.fit(sorted(kept + new, key=lambda s: s[0]), artifact)
 
 
 def _vouched(prof: Profile, e, p) -> bool:
@@ -112,8 +113,7 @@ def refit_profile(path: Path) -> Path:
     for models in (prof.native, prof.edges):
         for key, cm in models.items():
             if cm.samples:
-                models[key] = CostModel.fit(cm.samples)
-                models[key].artifact = cm.artifact
+                models[key] = CostModel.fit(cm.samples, cm.artifact)
     prof.save(path)
     return path
 
@@ -154,8 +154,7 @@ def profile_pool(
             bar.update()
         old = prof.edges.get(e.point_key(p)) if merge else None
         old = old if old is not None and measured_with(old, e) else None  # another artifact's samples go
-        prof.edges[e.point_key(p)] = _merged(old, samples)
-        prof.edges[e.point_key(p)].artifact = e.artifact_digest
+        prof.edges[e.point_key(p)] = _merged(old, samples, e.artifact_digest)
     bar.close()
     pool.refresh(prof)
     return prof
