@@ -6,6 +6,7 @@ import math
 import statistics
 from pathlib import Path
 
+from ctxrelay.bench.faithful_bar import verdict
 from ctxrelay.bench.results import machine_facts, read_results, results_file
 from ctxrelay.bench.results import markdown_table as _markdown
 from ctxrelay.errors import UsageError
@@ -306,6 +307,18 @@ def _needles(x: dict) -> str:
     return f"{round(x['needle_acc'] * n)}/{n} ({round(x.get('native_needle_acc', 0) * n)})"
 
 
+GATE_HEADS = ["direction", "tokens", "requests", "gate chose", "needles (native)", "essays top-1", "essays ppl x",
+              "sharegpt top-1", "sharegpt ppl x", "speedup", "issue 11's bar"]  # fmt: skip
+
+
+def gate_row(x: dict) -> list[str]:
+    """One gate-replay entry as a table row, ending with what issue 11's bar says of it."""
+    return [f"{x['sender']} -> {x['receiver']}", str(x["length"]), str(x["requests"]),
+            ", ".join(f"{p} x{k}" for p, k in x["points"].items()), _needles(x), _cell(x.get("essays_top1")),
+            _cell(x.get("essays_ppl128_ratio")), _cell(x.get("sharegpt_top1")), _cell(x.get("sharegpt_ppl128_ratio")),
+            _cell(x.get("speedup"), ".1f"), verdict(x)]  # fmt: skip
+
+
 def tables(doc: dict, rules: set[str] | None = None) -> str:
     """The run as three markdown tables: the frontier (points of `rules`, all when None), the gate's
     default decision replayed per request, and how the per-request estimate ranks requests."""
@@ -316,13 +329,7 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
          _cell(x.get("sharegpt_ppl128_ratio")), _cell(x.get("speedup"), ".1f")]
         for x in doc.get("summary", []) if rules is None or x["selection"] in rules
     ]  # fmt: skip
-    gate = [
-        [f"{x['sender']} -> {x['receiver']}", str(x["length"]), str(x["requests"]),
-         ", ".join(f"{p} x{k}" for p, k in x["points"].items()), _needles(x), _cell(x.get("essays_top1")),
-         _cell(x.get("essays_ppl128_ratio")), _cell(x.get("sharegpt_top1")), _cell(x.get("sharegpt_ppl128_ratio")),
-         _cell(x.get("speedup"), ".1f")]
-        for x in doc.get("gate", [])
-    ]  # fmt: skip
+    gate = [gate_row(x) for x in doc.get("gate", [])]
     est = [
         [f"{x['sender']} -> {x['receiver']}", f"{x['f']:.2f}", str(x.get("length", "-")),
          str(x.get("hide_translated", "-")), x.get("signal", _pooled(x)),
@@ -332,7 +339,7 @@ def tables(doc: dict, rules: set[str] | None = None) -> str:
     ]  # fmt: skip
     quality = ["essays top-1", "essays ppl x", "sharegpt top-1", "sharegpt ppl x", "speedup"]
     lines = _markdown(["direction", "tokens", "rule", "f", "run f", "needles (native)", *quality], frontier)
-    lines += ["", *_markdown(["direction", "tokens", "requests", "gate chose", "needles (native)", *quality], gate)]
+    lines += ["", *_markdown(GATE_HEADS, gate)]
     heads = ["direction", "f", "tokens", "hide", "signal", "trusted", "requests", "Spearman top-1", "questions",
              "Spearman needle"]  # fmt: skip
     lines += ["", *_markdown(heads, est)]
