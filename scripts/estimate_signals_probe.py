@@ -26,7 +26,9 @@ from ctxrelay.transports.heterofold.recompute import SIGNALS
 ROOT = Path(__file__).resolve().parent.parent
 CASES = [  # sender, receiver, tokens, hidden layers, held-out run of the shipped artifact
     ("qwen2.5-coder-1.5b", "gemma3-270m", 4096, 0, "heterofold-frontier-q15g3-sr128-seed200"),
-    ("smollm2-135m", "gemma3-270m", 4096, 0, "heterofold-frontier-s2g3-seed200"),
+    ("smollm2-135m", "gemma3-270m", 4096, 0, "heterofold-frontier-s2g3-seed200"),  # the translator before 12-06
+    ("smollm2-135m", "gemma3-270m", 4096, 0, "heterofold-frontier-s2g3-long-nohide-seed400"),
+    ("smollm2-135m", "gemma3-270m", 4096, 0, "heterofold-frontier-s2g3-seed500"),
     ("gemma3-270m", "qwen2.5-coder-0.5b", 4096, 0, "heterofold-frontier-g3q05-seed300-own1"),
     ("gemma3-270m", "qwen2.5-coder-0.5b", 2048, 0, "heterofold-frontier-g3q05-seed300-own1"),
     ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", 4096, 12, "heterofold-frontier-q05-seed300"),

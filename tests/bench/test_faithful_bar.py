@@ -22,7 +22,7 @@ def test_each_miss_is_named_with_its_value_and_target():
     v = verdict(entry(speedup=2.38, essays_top1=0.798, needle_acc=6 / 8, sharegpt_ppl128_ratio=1.6))
     assert v.startswith("misses ")
     assert "speedup 2.38 (bar 4)" in v and "essays top-1 0.798 (bar 0.85)" in v
-    assert "needles 0.750 (bar 0.875)" in v and "ShareGPT ppl x 1.600 (bar 1.5)" in v
+    assert "needles 6/8 (bar 7/8)" in v and "ShareGPT ppl x 1.600 (bar 1.5)" in v
     # a miss by 0.004 must not read as 0.85 against 0.85
     assert "essays top-1 0.846 (bar 0.85)" in verdict(entry(essays_top1=0.8457))
 

@@ -10,6 +10,8 @@ target is missed, not only that it is.
 
 from __future__ import annotations
 
+import math
+
 SPEEDUP = {2048: 2.0, 4096: 4.0}  # by the length bucket of the frontier's cases
 NEEDLE_SLACK = 0.125
 TOP1 = 0.85
@@ -41,7 +43,11 @@ def verdict(item: dict) -> str:
     """The verdict: "holds", or "misses" with each missed criterion, its value and its target, e.g.
     "misses speedup 2.38 (bar 4), essays top-1 0.798 (bar 0.85)"."""
     missed = [c for c in checks(item) if not c["holds"]]
-    if not missed:
-        return "holds"
-    return "misses " + ", ".join(f"{c['name']} {c['value']:.{_DIGITS.get(c['name'], 3)}f} (bar {c['target']:.3g})"
-                                 for c in missed)  # fmt: skip
+    return "misses " + ", ".join(_missed(c, item) for c in missed) if missed else "holds"
+
+
+def _missed(c: dict, item: dict) -> str:
+    if c["name"] == "needles":  # as counts: "needles 15/24 (bar 17/24)"
+        n = item["needle_cases"]
+        return f"needles {round(c['value'] * n)}/{n} (bar {math.ceil(c['target'] * n - _EPS)}/{n})"
+    return f"{c['name']} {c['value']:.{_DIGITS.get(c['name'], 3)}f} (bar {c['target']:.3g})"
