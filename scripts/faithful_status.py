@@ -10,22 +10,18 @@ direction and length, the one written last speaks for it (`--all`: every run). N
 
 import sys
 
+from ctxrelay.bench.faithful_bar import newest
 from ctxrelay.bench.frontier_report import GATE_HEADS, gate_row
 from ctxrelay.bench.results import markdown_table, read_results, results_file
 
 
 def main(args: list[str]) -> None:
-    every = "--all" in args
-    found = {}
-    for name in [a for a in args if a != "--all"]:
-        doc = read_results(results_file(name))
+    runs = [(name, read_results(results_file(name))) for name in args if name != "--all"]
+    for name, doc in runs:
         if not doc.get("gate"):
             sys.exit(f"{name} has no gate replay: run `ctxrelay bench heterofold-frontier ... --set phase=report`")
-        for x in doc["gate"]:
-            key = (x["sender"], x["receiver"], x["length"]) + ((name,) if every else ())
-            if key not in found or doc["written"] >= found[key][1]:
-                found[key] = (x, doc["written"], name)
-    rows = [[*gate_row(x), f"{name} ({written[:10]})"] for _, (x, written, name) in sorted(found.items())]
+    written = dict((name, doc["written"][:10]) for name, doc in runs)
+    rows = [[*gate_row(x), f"{name} ({written[name]})"] for x, name in newest(runs, every="--all" in args)]
     print("\n".join(markdown_table([*GATE_HEADS, "run"], rows)))
 
 

@@ -39,3 +39,14 @@ def test_native_prefill_everywhere_is_one_x_and_other_lengths_have_no_speed_targ
 def test_the_gate_table_row_ends_with_the_verdict():
     row = gate_row(entry(speedup=3.0))
     assert len(row) == len(GATE_HEADS) and row[-1] == "misses speedup 3.00 (bar 4)"
+
+
+def test_the_newest_run_speaks_for_each_direction_and_length():
+    from ctxrelay.bench.faithful_bar import newest
+
+    old = {"written": "2026-12-05T10:00:00+0000", "gate": [entry(), entry(length=2048, speedup=2.5)]}
+    new = {"written": "2026-12-06T10:00:00+0000", "gate": [entry(needle_acc=0.5)]}
+    picked = newest([("new", new), ("old", old)])
+    assert [(x["length"], name) for x, name in picked] == [(2048, "old"), (4096, "new")]
+    assert verdict(picked[1][0]).startswith("misses needles 4/8")
+    assert [name for _, name in newest([("new", new), ("old", old)], every=True)] == ["old", "new", "old"]

@@ -51,3 +51,16 @@ def _missed(c: dict, item: dict) -> str:
         n = item["needle_cases"]
         return f"needles {round(c['value'] * n)}/{n} (bar {math.ceil(c['target'] * n - _EPS)}/{n})"
     return f"{c['name']} {c['value']:.{_DIGITS.get(c['name'], 3)}f} (bar {c['target']:.3g})"
+
+
+def newest(runs: list[tuple[str, dict]], every: bool = False) -> list[tuple[dict, str]]:
+    """The gate-replay entries of several runs ((name, results document) pairs) with the name of the run
+    each comes from, one per direction and length: the run written last speaks for it (`every`: each
+    run's own entry), sorted by direction and length."""
+    found: dict[tuple, tuple[dict, str, str]] = {}
+    for name, doc in runs:
+        for x in doc.get("gate", []):
+            key = (x["sender"], x["receiver"], x["length"]) + ((name,) if every else ())
+            if key not in found or doc["written"] >= found[key][1]:
+                found[key] = (x, doc["written"], name)
+    return [(x, name) for _, (x, _, name) in sorted(found.items())]
