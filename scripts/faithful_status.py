@@ -20,7 +20,7 @@ def main(args: list[str]) -> None:
     for name, doc in runs:
         if not doc.get("gate"):
             sys.exit(f"{name} has no gate replay: run `ctxrelay bench heterofold-frontier ... --set phase=report`")
-    written = dict((name, doc["written"][:10]) for name, doc in runs)
+    written = {name: doc["written"][:10] for name, doc in runs}
     rows = [[*gate_row(x), f"{name} ({written[name]})"] for x, name in newest(runs, every="--all" in args)]
     print("\n".join(markdown_table([*GATE_HEADS, "run"], rows)))
 

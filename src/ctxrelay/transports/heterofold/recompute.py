@@ -203,12 +203,10 @@ def select(
     if budget >= t:
         return Selection(torch.arange(t), rule, info)
     if rule == "mix2":  # the first pass; the second pass's budget is left to the relay
-        first = select(m, "mix", fraction * (1 - SECOND_SHARE), ids, offsets, text, query, cache, native)
-        return Selection(
-            first.positions,
-            rule,
-            {**first.info, **info, "second_pass_budget": budget - round(fraction * (1 - SECOND_SHARE) * t)},
-        )
+        first_fraction = fraction * (1 - SECOND_SHARE)
+        first = select(m, "mix", first_fraction, ids, offsets, text, query, cache, native)
+        second = budget - round(first_fraction * t)  # the first pass's own budget, as select sets it
+        return Selection(first.positions, rule, {**first.info, **info, "second_pass_budget": second})
     chosen: list[torch.Tensor] = []
     if rule in ("recency", "adaptive"):
         window = budget if rule == "recency" else max(1, round(RECENCY_SHARE * budget))
