@@ -1,5 +1,6 @@
 """Exactness of the runner against transformers, and of capture -> inject on every family."""
 
+import pytest
 import torch
 
 from conftest import SAMPLE_TEXT
@@ -221,14 +222,17 @@ def test_window_row_chunks_keep_scattered_positions_apart(monkeypatch):
     assert attention._row_chunks(qpos, window=None) == [slice(0, qpos.numel())]
 
 
-def test_hidden_entries_are_invisible_in_early_layers_to_every_later_token(tiny):
-    """KVCache.hide: the appended tokens and decoded ones skip the hidden entries in the first k layers
-    (the same as a per-layer key mask), see them in the rest, and a clone keeps the hiding."""
+@pytest.mark.parametrize("named", [False, True])
+def test_hidden_entries_are_invisible_in_early_layers_to_every_later_token(tiny, named):
+    """KVCache.hide: the appended tokens and decoded ones skip the hidden entries in the first k layers,
+    or in the layers named (the same as a per-layer key mask), see them in the rest, and a clone keeps
+    the hiding."""
     import dataclasses
 
     ids = _ids(tiny)
     ctx, suffix = ids[:-6], ids[-6:]
     k = max(1, tiny.spec.num_layers // 2)
+    layers = {tiny.spec.num_layers - 1} if named else set(range(k))  # named: the last layer alone
     hidden = torch.zeros(ctx.numel(), dtype=torch.bool)
     hidden[3:-2] = True  # up to the last entries: inside every sliding window too
 
@@ -237,12 +241,12 @@ def test_hidden_entries_are_invisible_in_early_layers_to_every_later_token(tiny)
         vis[: hidden.numel()] = ~hidden
         return attention.native_attention(dataclasses.replace(c, key_mask=vis))
 
-    by_layer = dict.fromkeys(range(k), masked)
+    by_layer = dict.fromkeys(layers, masked)
     ref_cache = runner.forward(tiny, ctx, logits="none").cache
     ref = runner.forward(tiny, suffix, ref_cache, attention=by_layer, logits="all").logits
     ref_next = runner.forward(tiny, ids[:1], ref_cache, attention=by_layer).logits
     cache = runner.forward(tiny, ctx, logits="none").cache
-    cache.hide(hidden, k)
+    cache.hide(hidden, layers if named else k)
     plain = runner.forward(tiny, suffix, cache.clone(), logits="all").logits
     assert (plain - ref).abs().max() < TOL
     out = runner.forward(tiny, suffix, cache, logits="all").logits
@@ -253,4 +257,4 @@ def test_hidden_entries_are_invisible_in_early_layers_to_every_later_token(tiny)
     seen = runner.forward(tiny, suffix, runner.forward(tiny, ctx, logits="none").cache, logits="all").logits
     assert (seen - ref).abs().max() > 1e-3  # the hidden entries did matter
     cache.hide(hidden, 0)
-    assert cache.visible(cache.length) is None and cache.hidden_layers == 0
+    assert cache.visible(cache.length) is None and cache.hidden_in == frozenset()

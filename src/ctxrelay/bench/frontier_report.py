@@ -10,6 +10,7 @@ from ctxrelay.bench.faithful_bar import verdict
 from ctxrelay.bench.results import machine_facts, read_results, results_file
 from ctxrelay.bench.results import markdown_table as _markdown
 from ctxrelay.errors import UsageError
+from ctxrelay.transports.heterofold.hiding import hide_code, hide_order
 
 SAME_MACHINE = ("cpu_model", "cores", "torch_threads", "device", "torch")
 
@@ -101,7 +102,8 @@ def estimate_check(rows: list[dict], estimators: dict[tuple[str, str], dict]) ->
             continue
         mine = [x for x in rows if (x["sender"], x["receiver"]) == (s, r) and x.get("kind") != "timing"
                 and x.get("selection") == model.get("rule", "mix") and x["f"] > 0]  # fmt: skip
-        for f, n, hide in sorted({(x["f"], x["length"], x.get("hide_translated", 0)) for x in mine}):
+        settings = {(x["f"], x["length"], x.get("hide_translated", 0)) for x in mine}
+        for f, n, hide in sorted(settings, key=lambda g: (g[0], g[1], hide_order(g[2]))):
             part = [x for x in mine if (x["f"], x["length"], x.get("hide_translated", 0)) == (f, n, hide)]
             cont = [(estimate(model, _info(x, "continuation_info")), x["top1_agreement"]) for x in part]
             cont = [(e, y) for e, y in cont if e is not None]
@@ -190,7 +192,7 @@ def _candidates(points: list[dict], timing: dict, key: tuple, threshold: float, 
     out = []
     for p in points:
         p = quality_at(p, key[2])
-        hide = int(p.get("hide_translated", 0))  # rows measured the way the gate serves the point
+        hide = hide_code(p.get("hide_translated", 0))  # rows measured the way the gate serves the point
         t = timing.get((*key, p["selection"], p["f"], hide))
         if not t or quality_refusal(p, threshold) is not None:
             continue

@@ -50,6 +50,7 @@ from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP
 from ctxrelay.state import ContextState
 from ctxrelay.timing import median_time
 from ctxrelay.transports.heterofold.data import text_key
+from ctxrelay.transports.heterofold.hiding import hide_code
 
 DIRECTIONS = (
     ("qwen2.5-coder-1.5b", "smollm2-135m"),
@@ -68,7 +69,7 @@ OPTIONS = {
     "continuation": 129,  # teacher-forced continuation tokens (ppl@128 needs 129)
     "answer_tokens": 24,
     "attend": "all",
-    "hide": 0,  # hide_translated: the question and answer skip translated entries in the first k layers
+    "hide": 0,  # hide_translated: the question and answer skip translated entries in the first k layers ("global")
     "warmup": 1,
     "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts
     "seed": 0,  # case i draws its essay and fact from seed + i: seeds closer than the case count share cases
@@ -164,7 +165,7 @@ def native_ref(r, case: Case, opts: dict) -> NativeRef:
 
 def relay_options(rule: str, f: float, opts: dict) -> dict:
     """relay_prefill's options for a point (plain translation, f = 0, hides nothing)."""
-    hide = int(opts["hide"]) if f else 0
+    hide = hide_code(opts["hide"]) if f else 0
     return {"recompute": f, "selection": rule if f else "mix", "attend": opts["attend"], "hide_translated": hide}
 
 

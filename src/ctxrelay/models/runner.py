@@ -12,7 +12,7 @@ family's k-norm and RoPE, exactly what native attention consumes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,29 +39,29 @@ class KVCache:
         self._k, self._v = list(keys), list(values)
         self.length = (keys[0].shape[2] if keys else 0) if length is None else length
         self.reallocations = 0  # times the buffers grew (a test watches this)
-        # entries hidden from every later query in layers hidden_from..hidden_layers-1 (see hide);
-        # positions past the mask (the appended question, decoded tokens) are visible
+        # entries hidden from every later query in the layers of hidden_in (see hide); positions past
+        # the mask (the appended question, decoded tokens) are visible
         self.hidden: torch.Tensor | None = None
-        self.hidden_layers = 0
-        self.hidden_from = 0
+        self.hidden_in: frozenset[int] = frozenset()
 
-    def hide(self, hidden: torch.Tensor, layers: int, first: int = 0) -> None:
+    def hide(self, hidden: torch.Tensor, layers: int | Collection[int], first: int = 0) -> None:
         """Hide the entries where `hidden` ([length] bool) is True from every query past them (positions
-        >= length: what is appended and decoded later), in layers first..layers-1 (heterofold: translated
-        entries kept from the question and the answer in the early layers, where they bent more than they
-        told; `first`: the layers below it hold the receiver's own entries, nothing translated to hide).
-        A query at one of the masked positions (recomputing it) is not affected. layers <= first shows
-        everything again."""
-        if layers <= max(0, first):
-            self.hidden, self.hidden_layers, self.hidden_from = None, 0, 0
+        >= length: what is appended and decoded later), in layers first..layers-1, or in the layers named
+        where `layers` is a collection (heterofold: translated entries kept from the question and the
+        answer where they bent more than they told; `first`: the layers below it hold the receiver's own
+        entries, nothing translated to hide). A query at one of the masked positions (recomputing it) is
+        not affected. No layer left shows everything again."""
+        named = range(layers) if isinstance(layers, int) else layers
+        where = frozenset(int(i) for i in named if int(i) >= max(0, first))
+        if not where:
+            self.hidden, self.hidden_in = None, frozenset()
             return
         if hidden.shape != (self.length,):
             raise ValueError(f"hidden must be a bool mask of the cache's {self.length} positions")
-        self.hidden, self.hidden_layers = hidden.to(torch.bool).clone(), int(layers)
-        self.hidden_from = max(0, int(first))
+        self.hidden, self.hidden_in = hidden.to(torch.bool).clone(), where
 
     def visible(self, n: int, qpos: torch.Tensor | None = None) -> torch.Tensor | None:
-        """[n] bool of the positions a query may see in the hidden layers (hidden_from..hidden_layers-1;
+        """[n] bool of the positions a query may see in the hidden layers (hidden_in;
         None: all); with the queries' positions `qpos` where some lie inside the hidden mask, [len(qpos), n]
         rows, those queries' all True (a recomputed context token sees what it would without hiding)."""
         if self.hidden is None:
@@ -126,8 +126,7 @@ class KVCache:
     def clone(self) -> KVCache:
         out = KVCache([k.clone() for k in self.keys], [v.clone() for v in self.values])
         if self.hidden is not None:  # the mask as held: shorter than length once a question is appended
-            out.hidden, out.hidden_layers = self.hidden[: self.length].clone(), self.hidden_layers
-            out.hidden_from = self.hidden_from
+            out.hidden, out.hidden_in = self.hidden[: self.length].clone(), self.hidden_in
         return out
 
     def nbytes(self) -> int:
@@ -340,7 +339,7 @@ def forward(
                 capture.vals.append(v[0].transpose(0, 1).clone())
         cache.write(i, where, finish_keys(m, i, k_raw, rope), v)
         k_all, v_all = cache.view(i, end)
-        mask = early_mask if cache.hidden_from <= i < cache.hidden_layers else key_mask
+        mask = early_mask if i in cache.hidden_in else key_mask
         call = attn_call(m, i, q, k_all, v_all, start, qpos, mask)
         if capture is not None and capture.on_qk is not None and (capture.qk_layers is None or i in capture.qk_layers):
             capture.on_qk(call)

@@ -59,10 +59,9 @@ def test_hiding_hides_translated_entries_only_not_the_receivers_own(tiny_by_fami
     hidden = torch.ones(ids.numel(), dtype=torch.bool)
     hidden[0] = False  # the sink stays visible, as the relay keeps it
     cache.hide(hidden, 2, first=1)
-    assert (cache.hidden_from, cache.hidden_layers) == (1, 2)
-    assert cache.clone().hidden_from == 1
+    assert cache.hidden_in == frozenset({1}) and cache.clone().hidden_in == frozenset({1})
     cache.hide(hidden, 1, first=1)  # no layer left between first and layers: nothing hidden
-    assert cache.hidden is None and cache.hidden_layers == 0
+    assert cache.hidden is None and cache.hidden_in == frozenset()
 
 
 @pytest.mark.parametrize(("s", "r"), PAIRS)

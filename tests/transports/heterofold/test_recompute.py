@@ -92,7 +92,7 @@ def test_the_suffix_in_the_recompute_pass_is_the_suffix_after_it(tiny_by_family,
     for i in range(receiver.spec.num_layers):
         assert (one.cache.keys[i] - two.cache.keys[i]).abs().max() < TOL
         assert (one.cache.values[i] - two.cache.values[i]).abs().max() < TOL
-    assert one.cache.hidden_layers == hide
+    assert one.cache.hidden_in == frozenset(range(hide))
 
 
 def test_partial_recompute_moves_toward_native_and_times_every_part(tiny_by_family):
@@ -287,7 +287,7 @@ def test_hiding_translated_entries_from_the_question(tiny_by_family, s, r):
     hid = relay_prefill(receiver, state, art, suffix, logits="all", recompute=0.3, selection="recency",
                         hide_translated=layers)  # fmt: skip
     assert hid.info["hide_translated"] == layers and (hid.logits - base.logits).abs().max() > 1e-4
-    assert hid.cache.hidden_layers == layers  # the answer decoded from this cache skips them too
+    assert hid.cache.hidden_in == frozenset(range(layers))  # the answer decoded from this cache skips them too
     with pytest.raises(UsageError, match="hide_translated"):
         relay_prefill(receiver, state, art, suffix, recompute=0.3, hide_translated=layers + 1)
 
@@ -353,7 +353,7 @@ def test_the_hiding_gap_is_the_first_rows_distance_between_two_relays(tiny_by_fa
     served = relay_prefill(receiver, state, art, suffix, hide_translated=hide, **kw)
     flipped = relay_prefill(receiver, state, art, suffix, hide_translated=other, **kw)
     assert torch.equal(measured.logits, served.logits) and measured.cache.length == served.cache.length
-    assert measured.cache.hidden_layers == served.cache.hidden_layers == hide
+    assert measured.cache.hidden_in == served.cache.hidden_in == frozenset(range(hide))
     for i in range(receiver.spec.num_layers):
         assert torch.equal(measured.cache.keys[i], served.cache.keys[i])
         assert torch.equal(measured.cache.values[i], served.cache.values[i])

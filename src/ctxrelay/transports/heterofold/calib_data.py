@@ -21,12 +21,14 @@ from ctxrelay.data.datasets import (
     sharegpt_conversations,
 )
 from ctxrelay.errors import UsageError
+from ctxrelay.transports.heterofold.hiding import Hide, hide_code, hide_order
 
 # data options (`--set key=value`), the rest goes to ctxrelay.transports.heterofold.calibrate.CalibConfig
 DATA_DEFAULTS = {"chunk_chars": 2200, "essay_chunks": 40, "conversations": 24, "heldout_essays": 4, "heldout_convs": 4}
 # the faithful mode's stage (quality per recompute fraction, the per-request estimate): training-split
 # essays and conversations of about the length the relay serves
 # hide_layers = k: the question and the answer skip translated entries in the receiver's first k layers
+# ("global": in its full-attention layers only, hiding.py)
 RECOMPUTE_DEFAULTS = {"recompute_tokens": 2048, "recompute_essays": 8, "recompute_convs": 4,
                       "fractions": "0.05,0.1,0.2,0.3", "rule": "mix", "hide_layers": 0}  # fmt: skip
 # the fact-recall stage (facts.py): calibration-only needle cases, answered natively and at every fraction
@@ -165,7 +167,7 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
         if stage == "recompute":
             _add_recompute_stage(s, r, art, data_opts, command)
         else:  # hiding as the recompute stage's last run unless --set hide_layers says (0 included)
-            given = int(options["hide_layers"]) if "hide_layers" in (options or {}) else None
+            given = hide_code(options["hide_layers"]) if "hide_layers" in (options or {}) else None
             _add_facts_stage(s, r, art, data_opts, command, hide=given)
         art.save(path)
         return path
@@ -252,7 +254,7 @@ def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
     from ctxrelay.transports.heterofold.faithful import calibrate_recompute, estimate_entry
     from ctxrelay.transports.heterofold.recompute import stage_setting, with_setting
 
-    n, rule, hide = int(opts["recompute_tokens"]), str(opts["rule"]), int(opts["hide_layers"])
+    n, rule, hide = int(opts["recompute_tokens"]), str(opts["rule"]), hide_code(opts["hide_layers"])
     fracs = [float(f) for f in str(opts["fractions"]).split(",") if f]
     old = art.params.get("recompute_stage") or {}
     same_rule = old.get("rule", "mix") == rule
@@ -269,14 +271,14 @@ def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
     table = sorted(table + res["recompute"], key=_by_setting)
     art.quality.update(recompute=table, estimate=estimate_entry(rows, rule))
     runs.append({"command": command, **{k: opts[k] for k in RECOMPUTE_DEFAULTS}})
-    runs.sort(key=lambda v: (int(v["hide_layers"]), int(v["recompute_tokens"])))
+    runs.sort(key=lambda v: (hide_order(v["hide_layers"]), int(v["recompute_tokens"])))
     art.params["recompute_stage"] = {"command": command, "rows": rows, **{k: opts[k] for k in RECOMPUTE_DEFAULTS},
                                      "lengths": {_run_key(v): v for v in runs}}  # fmt: skip
 
 
 def _by_setting(entry: dict) -> tuple:
     """Table order: by hiding, then length, then f."""
-    return int(entry.get("hide_translated", 0)), entry["tokens"], entry["f"]
+    return hide_order(entry.get("hide_translated", 0)), entry["tokens"], entry["f"]
 
 
 def _recompute_runs(stage: dict) -> list[dict]:
@@ -286,7 +288,8 @@ def _recompute_runs(stage: dict) -> list[dict]:
     n, hide = stage.get("recompute_tokens", RECOMPUTE_DEFAULTS["recompute_tokens"]), stage.get("hide_layers", 0)
     runs = stage.get("lengths") or {str(n): {"command": stage.get("command")}}
     return [{**v, "recompute_tokens": int(v.get("recompute_tokens", k.split("+")[0])),
-             "hide_layers": int(v.get("hide_layers", hide))} for k, v in runs.items() if v.get("command")]  # fmt: skip
+             "hide_layers": hide_code(v.get("hide_layers", hide))}
+            for k, v in runs.items() if v.get("command")]  # fmt: skip
 
 
 def _run_key(run: dict) -> str:
@@ -295,7 +298,7 @@ def _run_key(run: dict) -> str:
     return setting_key(run["recompute_tokens"], run["hide_layers"])
 
 
-def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str, hide: int | None = None) -> None:
+def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str, hide: Hide | None = None) -> None:
     """Fact recall at the points the gate serves, at opts["facts_tokens"], hiding `hide` layers (default:
     the recompute stage's last run). It replaces the entries measured at that length with that hiding
     for these fractions (and f = 0) and keeps the others, so a point that hides at 4096 tokens gets its
@@ -305,7 +308,7 @@ def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str, hide: int | 
 
     fracs = [0.0] + [float(f) for f in str(opts["fractions"]).split(",") if f]
     if hide is None:
-        hide = int((art.params.get("recompute_stage") or {}).get("hide_layers", 0))
+        hide = hide_code((art.params.get("recompute_stage") or {}).get("hide_layers", 0))
     n = int(opts["facts_tokens"])
     old = art.params.get("facts_stage") or {}
     res = calibrate_facts(s, r, art, fracs, str(opts["rule"]), cases=int(opts["facts_cases"]), tokens=n,
@@ -336,9 +339,9 @@ def _facts_runs(stage: dict, entries: list[dict]) -> list[dict]:
     return list(stage.get("runs") or [one])
 
 
-def _replaced(run: dict, tokens: int, hide: int, fractions: list[float]) -> bool:
+def _replaced(run: dict, tokens: int, hide: Hide, fractions: list[float]) -> bool:
     """Whether a new run at (tokens, hide) over `fractions` re-measured everything `run` measured."""
-    at = int(run.get("facts_tokens", FACTS_DEFAULTS["facts_tokens"])), int(run.get("hide_layers", 0))
+    at = int(run.get("facts_tokens", FACTS_DEFAULTS["facts_tokens"])), hide_code(run.get("hide_layers", 0))
     same = at == (tokens, hide)
     had = {round(float(f), 6) for f in str(run.get("fractions", "")).split(",") if f}
     return same and had <= {round(f, 6) for f in fractions}

@@ -36,6 +36,7 @@ from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.state import Binding, ContextState
 from ctxrelay.transports.heterofold import data
+from ctxrelay.transports.heterofold.hiding import Hide
 from ctxrelay.transports.heterofold.recompute import with_setting
 from ctxrelay.transports.heterofold.transfer import relay_prefill
 
@@ -82,7 +83,7 @@ def calibrate_facts(
     tokens: int,
     new_tokens: int,
     root: Path,
-    hide: int = 0,
+    hide: Hide = 0,
 ) -> dict:
     """{"facts": [...per f...], "rows": [...per case and f...]} (module docstring)."""
     rows = []
@@ -109,7 +110,7 @@ def calibrate_facts(
     return {"facts": fact_table(rows, rule, hide, tokens), "rows": rows}
 
 
-def fact_table(rows: list[dict], rule: str, hide: int = 0, tokens: int = 2048) -> list[dict]:
+def fact_table(rows: list[dict], rule: str, hide: Hide = 0, tokens: int = 2048) -> list[dict]:
     """Per f: cases, native right, kept; f = 0 (plain translation) never hides."""
     table = []
     for f in sorted({r["f"] for r in rows}):
@@ -123,9 +124,9 @@ def fact_table(rows: list[dict], rule: str, hide: int = 0, tokens: int = 2048) -
 
 
 def facts_at(
-    quality: dict, f: float, fields: tuple[str, ...] = FACT_FIELDS, tokens: int | None = None, hide: int = 0
+    quality: dict, f: float, fields: tuple[str, ...] = FACT_FIELDS, tokens: int | None = None, hide: Hide = 0
 ) -> dict:
-    """`fields` of the stage's entry at fraction f measured with `hide` hidden layers (f = 0 never
+    """`fields` of the stage's entry at fraction f measured with hiding `hide` (f = 0 never
     hides), at the measured length nearest `tokens` in log-length (the shortest when None); empty
     where the stage measured no such entry."""
     lengths = {e["tokens"]: e for e in _entries(quality, f, hide)}
@@ -135,14 +136,14 @@ def facts_at(
     return {k: e[k] for k in fields if k in e}
 
 
-def facts_levels(quality: dict, f: float, hide: int = 0) -> list[dict]:
-    """Every length the stage measured fraction f with `hide` hidden layers at: {"tokens", *FACT_FIELDS}
+def facts_levels(quality: dict, f: float, hide: Hide = 0) -> list[dict]:
+    """Every length the stage measured fraction f with hiding `hide` at: {"tokens", *FACT_FIELDS}
     each, shortest first. The gate reads the one nearest the request's length (relay.gate.quality_at),
     whatever lengths the point's top-1 agreement was measured at."""
     found = sorted(_entries(quality, f, hide), key=lambda e: e["tokens"])
     return [{"tokens": e["tokens"], **{k: e[k] for k in FACT_FIELDS if k in e}} for e in found]
 
 
-def _entries(quality: dict, f: float, hide: int) -> list[dict]:
+def _entries(quality: dict, f: float, hide: Hide) -> list[dict]:
     found = [e for e in with_setting(quality.get("facts", []), 2048, 0) if abs(float(e["f"]) - f) < 1e-9]
     return [e for e in found if e["hide_translated"] == (hide if f else 0)]

@@ -44,6 +44,7 @@ from ctxrelay.models.attention import attention_logits, native_attention
 from ctxrelay.models.runner import KVCache
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.text import content_words, sentence_spans
+from ctxrelay.transports.heterofold.hiding import Hide, hide_code, hide_label
 
 RULES = ("deviation", "lexical", "embedding", "recency", "mix", "adaptive", "mix2")
 # candidates for the per-request estimate (recompute signals; the alignment's share of shared token ends)
@@ -249,7 +250,7 @@ def estimate(model: dict | None, info: dict) -> float | None:
     calibrated lengths around the request's context_tokens (the nearest outside them). None where the
     artifact has no estimate or the signal was not measured. Where the stage fitted one estimate per
     setting (model["by_setting"]), the request's own setting's is used (estimate_model)."""
-    model = estimate_model(model, info.get("context_tokens"), int(info.get("hide_translated", 0)))
+    model = estimate_model(model, info.get("context_tokens"), hide_code(info.get("hide_translated", 0)))
     if not model or "centres" not in model or model.get("signal") not in info or "requested_fraction" not in info:
         return None
     f = float(info["requested_fraction"])
@@ -257,37 +258,39 @@ def estimate(model: dict | None, info: dict) -> float | None:
     settings = model.get("lengths")
     if settings and info.get("context_tokens"):
         # artifacts made before settings had a hiding key all settings by length alone: all of them
-        same = _by_length(settings, int(info.get("hide_translated", 0))) or _by_length(settings)
+        same = _by_length(settings, hide_code(info.get("hide_translated", 0))) or _by_length(settings)
         mean_signal, mean_top1 = _centre_at(same, f, int(info["context_tokens"]))
     return float(min(1.0, max(0.0, mean_top1 + model["slope"] * (float(info[model["signal"]]) - mean_signal))))
 
 
-def estimate_model(model: dict | None, tokens: int | None, hide: int = 0) -> dict | None:
+def estimate_model(model: dict | None, tokens: int | None, hide: Hide = 0) -> dict | None:
     """The estimate that judges a request of `tokens` context tokens hiding `hide` layers. Where the stage
     fitted one per setting (model["by_setting"], keyed by setting_key): that of the request's hiding at
     the calibrated length nearest its own in log-length (the gate's nearest-length rule; the shortest
     when no length is given), None where its hiding has none. Otherwise the one pooled estimate."""
     if not model or "by_setting" not in model:
         return model
-    same = _by_length(model["by_setting"], int(hide))
+    same = _by_length(model["by_setting"], hide_code(hide))
     return same[nearest_length(list(same), int(tokens or min(same)))] if same else None
 
 
-def setting_key(tokens: int, hide: int) -> str:
-    """A recompute-stage setting's name: "4096", or "4096+hide12" where it hid translated entries."""
-    return f"{int(tokens)}+hide{int(hide)}" if int(hide) else str(int(tokens))
+def setting_key(tokens: int, hide: Hide) -> str:
+    """A recompute-stage setting's name: "4096", or "4096+hide12" / "4096+hideglobal" where it hid
+    translated entries."""
+    label = hide_label(hide)
+    return f"{int(tokens)}+{label}" if label else str(int(tokens))
 
 
-def parse_setting(key: str) -> tuple[int, int]:
+def parse_setting(key: str) -> tuple[int, Hide]:
     n, _, hide = key.partition("+hide")
-    return int(n), int(hide or 0)
+    return int(n), hide_code(hide)
 
 
 def _centre(centres: dict, f: float) -> list[float]:
     return centres[min(centres, key=lambda k: abs(float(k) - f))]
 
 
-def _by_length(settings: dict, hide: int | None = None) -> dict:
+def _by_length(settings: dict, hide: Hide | None = None) -> dict:
     """Per-setting entries (keyed by setting_key) of one hiding (None: all), keyed by their length."""
     return {parse_setting(k)[0]: v for k, v in settings.items() if hide is None or parse_setting(k)[1] == hide}
 
@@ -300,7 +303,7 @@ def _centre_at(by_len: dict, f: float, n: int) -> tuple[float, float]:
 
 
 def calibrated_estimates(
-    model: dict | None, rows: list[dict], f: float, tokens: int | None = None, hide: int | None = None
+    model: dict | None, rows: list[dict], f: float, tokens: int | None = None, hide: Hide | None = None
 ) -> list[float]:
     """What a trusted estimate said of each calibration text at fraction f (the recompute stage's rows;
     only those calibrated at `tokens` context tokens and with `hide` hidden layers when given); empty
@@ -308,7 +311,7 @@ def calibrated_estimates(
     if not trusts(model, tokens, hide or 0):
         return []
     part = [r for r in rows if abs(float(r["f"]) - f) < 1e-9 and (tokens is None or row_tokens(r) == tokens)]
-    part = [r for r in part if hide is None or int(r.get("hide_translated", 0)) == hide]
+    part = [r for r in part if hide is None or hide_code(r.get("hide_translated", 0)) == hide]
     ests = (estimate(model, {**r, "requested_fraction": f, "context_tokens": row_tokens(r)}) for r in part)
     return [e for e in ests if e is not None]
 
@@ -319,22 +322,22 @@ def row_tokens(row: dict, default: int = 2048) -> int:
     return int(row.get("tokens", default))
 
 
-def with_setting(entries: list[dict], tokens: int, hide: int) -> list[dict]:
+def with_setting(entries: list[dict], tokens: int, hide: Hide) -> list[dict]:
     """Stage rows or table entries (recompute or fact stage) with the context length and hiding they
     were measured at made explicit ("tokens", "hide_translated"; f = 0 never hides). Entries made
     before a stage kept several settings may carry neither: they were measured at the stage's own
     (`tokens`, `hide`: stage_setting)."""
     out = []
     for x in entries:
-        h = int(x.get("hide_translated", hide)) if x["f"] else 0
+        h = hide_code(x.get("hide_translated", hide)) if x["f"] else 0
         rest = {k: v for k, v in x.items() if k != "hide_translated"}
         out.append({**rest, "tokens": row_tokens(x, tokens), "hide_translated": h})
     return out
 
 
-def stage_setting(stage: dict | None, tokens_key: str = "recompute_tokens") -> tuple[int, int]:
-    """(tokens, hidden layers) of a stage's last run: what its older entries were measured at."""
-    return int((stage or {}).get(tokens_key, 2048)), int((stage or {}).get("hide_layers", 0))
+def stage_setting(stage: dict | None, tokens_key: str = "recompute_tokens") -> tuple[int, Hide]:
+    """(tokens, hiding) of a stage's last run: what its older entries were measured at."""
+    return int((stage or {}).get(tokens_key, 2048)), hide_code((stage or {}).get("hide_layers", 0))
 
 
 def serving_span(lengths: list[int], measured: list[int]) -> list[int | None]:
@@ -347,7 +350,7 @@ def serving_span(lengths: list[int], measured: list[int]) -> list[int | None]:
     return [lo, hi]
 
 
-def trusts(model: dict | None, tokens: int | None = None, hide: int = 0) -> bool:
+def trusts(model: dict | None, tokens: int | None = None, hide: Hide = 0) -> bool:
     """Whether the artifact's estimate ranks requests well enough for the gate to act on it: by how it
     ranked calibration texts it was not fitted on (cv_spearman), never by its in-sample fit; per setting
     where the stage fitted one per setting (estimate_model: the one for `tokens` and `hide`). An estimate
@@ -450,34 +453,3 @@ def second_pass_positions(attended: torch.Tensor, translated: torch.Tensor, budg
         return torch.zeros(0, dtype=torch.long)
     top = torch.topk(score, k).indices
     return top[score[top] > 0].sort().values
-
-
-@torch.inference_mode()
-def hiding_gap(m: LoadedModel, cache: KVCache, first_id: torch.Tensor, served: torch.Tensor, translated: torch.Tensor,
-               hide: int, first: int = 0) -> float:  # fmt: skip
-    """Total variation between the receiver's next-token distributions after the suffix's first token as
-    served (`served`: its hidden row [1, 1, D], the translated entries hidden in the first `hide` layers)
-    and with the other hiding: none where the point hides, every layer from `first` (the receiver's own
-    layers hide nothing) where it does not. A request whose
-    answer leans on what the translated entries say moves when they are hidden. Measured: a probe
-    (scripts/hide_gap_probe.py, smollm2 -> gemma3 at 2048, f = 0.2 hiding 12, 18 texts) ranked per-text
-    top-1 agreement at Spearman -0.91, but the recompute stage's 24 texts per f at the same point at -0.45,
-    and at f = 0.12 at +0.19 (docs/results.md): a candidate like the others, not a trusted estimate. Cost:
-    one one-token pass over the receiver's weights and two LM-head rows; the cache (entries, length,
-    hiding) is left as it was."""
-    t = translated.numel()
-    held = cache.length, cache.hidden, cache.hidden_layers, cache.hidden_from
-    saved = [
-        (cache.keys[j][:, :, t : t + 1].clone(), cache.values[j][:, :, t : t + 1].clone())
-        for j in range(m.spec.num_layers)
-    ]
-    try:
-        cache.length = t
-        cache.hide(translated, 0 if hide else m.spec.num_layers, first)
-        other = runner.forward(m, first_id.view(1), cache, logits="none").hidden[:, -1:]
-    finally:
-        for j, (k, v) in enumerate(saved):
-            cache.write(j, slice(t, t + 1), k, v)
-        cache.length, cache.hidden, cache.hidden_layers, cache.hidden_from = held
-    p = torch.softmax(runner.head(m, torch.cat([served, other], 1), "all").float(), -1)
-    return float(0.5 * (p[0] - p[1]).abs().sum())

@@ -25,13 +25,13 @@ from ctxrelay.state import ContextState
 from ctxrelay.timing import Stopwatch
 from ctxrelay.transports.base import RelayOutput, check_edge
 from ctxrelay.transports.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
+from ctxrelay.transports.heterofold.hiding import hidden_layers, hide_code, hiding_gap
 from ctxrelay.transports.heterofold.maps import FoldMaps, translate
 from ctxrelay.transports.heterofold.recompute import (
     SIGNALS,
     TAIL,
     estimate,
     estimate_model,
-    hiding_gap,
     second_pass_positions,
     select,
     trusts,
@@ -152,7 +152,7 @@ def relay_prefill(
     selection: str = "mix",
     query: str | None = None,
     attend: str = "all",
-    hide_translated: int = 0,
+    hide_translated: int | str = 0,
     signals: Literal["estimate", "all"] = "estimate",
     own_layers: int | None = None,
 ) -> RelayOutput:
@@ -164,8 +164,9 @@ def relay_prefill(
     context token runs natively so there are next-token logits. logits="all" returns logits for every
     suffix position (quality benchmarks); the contract is "last". hide_translated = k > 0: the suffix
     and every token decoded after it do not see the translated entries in the receiver's first k
-    layers, only the native and recomputed ones (the artifact's recompute stage measures k); the first
-    own_layers layers hold the receiver's own entries for every token and hide nothing.
+    layers, only the native and recomputed ones (the artifact's recompute stage measures k);
+    hide_translated = "global": only in its full-attention layers (hiding.py); the first own_layers
+    layers hold the receiver's own entries for every token and hide nothing.
     signals="estimate" measures only the per-request signal the gate acts on (none where the artifact's
     estimate is not trusted); "all" measures every recompute signal and reports an untrusted estimate as
     info["estimate_unused"] (calibration and quality benchmarks). Neither changes the cache or logits.
@@ -178,12 +179,9 @@ def relay_prefill(
     sw = Stopwatch()
     with sw("translate_s"):
         check_state(receiver, state, artifact)
-        if not 0 <= int(hide_translated) <= receiver.spec.num_layers:
-            raise UsageError(
-                f"hide_translated must be a layer count in 0..{receiver.spec.num_layers} for {receiver.name}, "
-                f"got {hide_translated}"
-            )
+        hide_translated = hide_code(hide_translated)
         own_layers = own_layers_of(artifact, receiver, own_layers)
+        hide_in = hidden_layers(receiver.spec, hide_translated, own_layers)  # checks the count
         suffix = torch.as_tensor(suffix_ids, dtype=torch.long).view(-1)
         if signals not in ("estimate", "all"):
             raise UsageError(f"signals must be 'estimate' or 'all', not {signals!r}")
@@ -202,7 +200,7 @@ def relay_prefill(
     cache, al = assemble_cache(receiver, state, artifact, ids, offsets, sw, room, not recomputing, own_layers)
     picked = None
     # the estimate of this request's setting (its length, its hiding), where the stage fitted one per setting
-    model = estimate_model(artifact.quality.get("estimate"), int(ids.numel()), int(hide_translated))
+    model = estimate_model(artifact.quality.get("estimate"), int(ids.numel()), hide_translated)
     wanted = SIGNALS if signals == "all" else ((model or {}).get("signal"),) if trusts(model) else ()
     if recomputing:
         with sw("select_s"):
@@ -212,11 +210,11 @@ def relay_prefill(
             with sw("assemble_s"):
                 fill_native(receiver, ids, cache, al.native)
     translated = None  # the positions still holding translated K/V: what hiding hides, what the gap compares
-    if ids.numel() and (hide_translated > 0 or "hiding_gap" in wanted):
+    if ids.numel() and (hide_in or "hiding_gap" in wanted):
         with sw("assemble_s"):
             translated = translated_mask(ids.numel(), al.native, picked)
-            if hide_translated > 0:  # hidden from the suffix and later tokens, not from recomputed ones
-                cache.hide(translated, hide_translated, own_layers)
+            if hide_in:  # hidden from the suffix and later tokens, not from recomputed ones
+                cache.hide(translated, hide_in)
     measured: dict = {}
     info_extra: dict = {}
     # with recompute the suffix runs in the recompute pass (one read of the receiver's weights, not two):
@@ -255,8 +253,8 @@ def relay_prefill(
         "first_token": first,
         "first_token_p": float(torch.softmax(out.logits[-1].float(), -1).max()),
     }
-    if hide_translated > 0:
-        info["hide_translated"] = int(hide_translated)
+    if hide_translated:
+        info["hide_translated"] = hide_translated
     if own_layers:
         info["own_layers"] = own_layers
     if picked is not None:
