@@ -276,7 +276,7 @@ def bench(
     command = command or f"ctxrelay bench heterofold-frontier --lengths {','.join(map(str, lengths))}"
     cases = build_cases(ref_tokenizer(opts["ref_tokenizer"]), sorted(lengths), opts)
     arts = {d: _artifact(*d) for d in dirs}
-    case_opts = {k: opts[k] for k in CASE_OPTIONS if k != "hide" or int(opts[k])}  # runs before hide: the same
+    case_opts = {k: opts[k] for k in CASE_OPTIONS if k != "hide" or hide_code(opts[k])}  # runs before hide: the same
     extra = {"options": case_opts, "lengths": sorted(lengths), "repeats": repeats}
     extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
 
