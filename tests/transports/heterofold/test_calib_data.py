@@ -167,3 +167,45 @@ def test_keep_stage_drops_the_other_fractions_everywhere_the_gate_reads(tiny_by_
         calib_data.calibrate_job("a", "b", out=str(path), options={"stage": "keep", "fractions": "0.1"})
     with pytest.raises(UsageError, match="needs --set fractions"):  # never the defaults by accident
         calib_data.calibrate_job("a", "b", out=str(path), options={"stage": "keep"})
+
+
+def test_drop_stage_drops_the_points_of_one_setting_and_keeps_the_others(tiny_by_family, tmp_path):
+    """stage=drop --set drop=4096: the unhidden points at 4096 go (table, rows, runs, facts); the same
+    fractions hiding the full-attention layers at 4096 and the unhidden ones at 2048 stay."""
+    from conftest import zero_artifact
+    from ctxrelay.artifact import Artifact
+    from ctxrelay.transports.heterofold import transport
+
+    art = zero_artifact(tiny_by_family["llama"], tiny_by_family["gemma3"])
+    settings = [(2048, 0), (4096, 0), (4096, "global")]
+    rows = [{"f": 0.15, "tokens": n, "hide_translated": h, "text": i, "top1_agreement": 0.85 + 0.01 * i,
+             "tail_confidence": 0.3 + 0.02 * i} for n, h in settings for i in range(6)]  # fmt: skip
+    runs = {"2048": {"command": "a"}, "4096": {"command": "b"}, "4096+hideglobal": {"command": "c"}}
+    art.params["recompute_stage"] = {"rows": rows, "rule": "mix", "lengths": runs}
+    art.quality["recompute"] = [{"f": 0.15, "selection": "mix", "tokens": n, "hide_translated": h,
+                                 "top1_agreement": 0.9} for n, h in settings]  # fmt: skip
+    art.quality["facts"] = [{"f": f, "tokens": n, "hide_translated": h if f else 0, "fact_recall": 0.9, "kept": 9,
+                             "native_right": 10} for n, h in settings for f in (0.0, 0.15)]  # fmt: skip
+    art.params["facts_stage"] = {
+        "rows": [{**e, "case": 0} for e in art.quality["facts"]],
+        "runs": [
+            {"command": c, "facts_tokens": n, "hide_layers": h} for c, (n, h) in zip("abc", settings, strict=True)
+        ],
+    }
+    path = art.save(tmp_path / "a.safetensors")
+    calib_data.calibrate_job("a", "b", out=str(path), options={"stage": "drop", "drop": "4096"}, command="d")
+    kept = Artifact.load(path)
+    left = [(q["tokens"], q["hide_translated"]) for q in kept.quality["recompute"]]
+    assert left == [(2048, 0), (4096, "global")]
+    assert {(x["tokens"], x["hide_translated"]) for x in kept.params["recompute_stage"]["rows"]} == set(left)
+    assert set(kept.params["recompute_stage"]["lengths"]) == {"2048", "4096+hideglobal"}
+    facts = [(e["f"], e["tokens"], e["hide_translated"]) for e in kept.quality["facts"]]
+    assert (0.15, 4096, 0) not in facts and (0.0, 4096, 0) in facts and (0.15, 4096, "global") in facts
+    assert [r["command"] for r in kept.params["facts_stage"]["runs"]] == ["a", "c"]
+    assert kept.params["recompute_stage"]["drop_command"] == "d"
+    labels = [p["label"] for p in transport.operating_points(kept.params, kept.quality)]
+    assert labels == ["", "f=0.15 mix", "f=0.15 mix hideglobal"]
+    with pytest.raises(UsageError, match=r"it has 2048, 4096\+hideglobal"):  # a setting never measured
+        calib_data.calibrate_job("a", "b", out=str(path), options={"stage": "drop", "drop": "4096"})
+    with pytest.raises(UsageError, match="needs --set drop"):
+        calib_data.calibrate_job("a", "b", out=str(path), options={"stage": "drop"})

@@ -125,8 +125,9 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
     stage=recompute or stage=facts runs only that stage on the direction's existing artifact (--out,
     else the packaged or user artifact) and rewrites it (a run at another length or hide_layers adds
     its measurements beside the others', a run at the same replaces them); stage=refit refits the
-    estimate from the stored rows and stage=keep --set fractions=... keeps only those fractions as
-    operating points (no model runs). own_layers=k (default 1 for new artifacts; artifacts without it
+    estimate from the stored rows, stage=keep --set fractions=... keeps only those fractions as
+    operating points and stage=drop --set drop=4096,... drops the points of those settings (no model
+    runs). own_layers=k (default 1 for new artifacts; artifacts without it
     serve 0): the receiver's own K/V in its first k layers; given with stage=recompute or facts on an
     artifact served with another k, it drops both stages' measurements first.
     """
@@ -143,8 +144,10 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
         known = ", ".join(heterofold.METHODS)
         raise UsageError(f"unknown heterofold method(s) {bad}: use all, or a comma list of {known}")
     stage = cal_opts.pop("stage", "all")
-    if stage not in ("all", "recompute", "facts", "refit", "keep"):
-        raise UsageError(f"unknown heterofold calibration stage {stage!r}: use all, recompute, facts, refit or keep")
+    if stage not in ("all", "recompute", "facts", "refit", "keep", "drop"):
+        raise UsageError(
+            f"unknown heterofold calibration stage {stage!r}: use all, recompute, facts, refit, keep or drop"
+        )
     command = command or _command(sender, receiver, options)
     if "own_layers" in cal_opts and stage in ("refit", "keep"):
         raise UsageError("own_layers changes what the relay serves: set it with stage=recompute (or all), not " + stage)
@@ -155,6 +158,11 @@ def calibrate_job(sender: str, receiver: str, out=None, resume: bool = True, opt
             raise UsageError("stage=keep needs --set fractions=F1,F2,...: the fractions to keep as operating points")
         fracs = [float(f) for f in str(data_opts["fractions"]).split(",") if f]
         return _refit(Path(out) if out else find_artifact(sender, receiver), command, keep=fracs)
+    if stage == "drop":  # the points of these settings stop being operating points (no model runs)
+        keys = [k for k in str(cal_opts.get("drop", "")).split(",") if k]
+        if not keys:
+            raise UsageError("stage=drop needs --set drop=SETTING,...: settings such as 4096, 2048+hide12")
+        return _refit(Path(out) if out else find_artifact(sender, receiver), command, drop=keys)
     s, r = zoo.load(sender), zoo.load(receiver)
     path = None
     if stage in ("recompute", "facts"):
@@ -206,21 +214,24 @@ def _set_own_layers(art: Artifact, k: int, receiver_layers: int) -> None:
         print(f"own_layers={k}: dropped the {' and '.join(dropped)} measured with other K/V; rerun each at its lengths")
 
 
-def _refit(path: Path, command: str, keep: list[float] | None = None) -> Path:
+def _refit(path: Path, command: str, keep: list[float] | None = None, drop: list[str] | None = None) -> Path:
     """The estimate refitted from the recompute stage's stored rows (no model runs); with `keep`, first
-    drop every recompute fraction but those (stage=keep, `_drop_fractions`)."""
+    drop every recompute fraction but those (stage=keep, `_drop_fractions`); with `drop`, every point of
+    those settings (stage=drop, `_drop_settings`)."""
     from ctxrelay.transports import heterofold
     from ctxrelay.transports.heterofold.faithful import estimate_entry
 
     art = Artifact.load(path, transport=heterofold.TRANSPORT, version=heterofold.ARTIFACT_VERSION)
     stage = art.params.get("recompute_stage")
     if not stage:
-        what = "refit" if keep is None else "keep fractions of"
+        what = "refit" if keep is None and drop is None else "keep or drop points of"
         raise UsageError(f"{path} has no recompute stage to {what}: run --set stage=recompute first")
     if keep is not None:
         _drop_fractions(art, stage, keep)
+    if drop is not None:
+        _drop_settings(art, stage, drop)
     art.quality["estimate"] = estimate_entry(stage["rows"], stage.get("rule", "mix"))
-    stage["refit_command" if keep is None else "keep_command"] = command
+    stage["keep_command" if keep is not None else "drop_command" if drop is not None else "refit_command"] = command
     art.save(path)
     return path
 
@@ -243,6 +254,40 @@ def _drop_fractions(art: Artifact, stage: dict, fractions: list[float]) -> None:
         art.quality["facts"] = [q for q in art.quality["facts"] if q["f"] == 0 or kept(q)]
         facts_stage = art.params.get("facts_stage") or {}
         facts_stage["rows"] = [x for x in facts_stage.get("rows", []) if x["f"] == 0 or kept(x)]
+
+
+def _drop_settings(art: Artifact, stage: dict, keys: list[str]) -> None:
+    """Drop the points measured at these settings (setting_key: "4096", "2048+hide12", "4096+hideglobal")
+    from the recompute table, its rows and runs, and the fact entries, rows and runs at those settings
+    (f = 0 stays): e.g. the unhidden points at 4096 once points hiding the full-attention layers replace
+    them there. A point measured at other settings too keeps those."""
+    from ctxrelay.transports.heterofold.recompute import parse_setting, setting_key, stage_setting, with_setting
+
+    table = with_setting(art.quality.get("recompute", []), *stage_setting(stage))
+    have = {(q["tokens"], q["hide_translated"]) for q in table if q["f"]}
+    drop = {parse_setting(k) for k in keys}
+    if drop - have:
+        known = ", ".join(setting_key(*h) for h in sorted(have, key=lambda h: (h[0], hide_order(h[1]))))
+        raise UsageError(f"--set drop= must list settings the recompute stage measured: it has {known}")
+
+    def gone(x: dict) -> bool:
+        return bool(x["f"]) and (x["tokens"], x["hide_translated"]) in drop
+
+    art.quality["recompute"] = [q for q in table if not gone(q)]
+    stage["rows"] = [x for x in with_setting(stage.get("rows", []), *stage_setting(stage)) if not gone(x)]
+    stage["lengths"] = {k: v for k, v in (stage.get("lengths") or {}).items() if parse_setting(k) not in drop}
+    facts_stage = art.params.get("facts_stage")
+    if facts_stage:
+        at = stage_setting(facts_stage, "facts_tokens")
+        runs = _facts_runs(facts_stage, art.quality.get("facts", []))
+        art.quality["facts"] = [e for e in with_setting(art.quality.get("facts", []), *at) if not gone(e)]
+        facts_stage["rows"] = [x for x in with_setting(facts_stage.get("rows", []), *at) if not gone(x)]
+        facts_stage["runs"] = [v for v in runs if _run_setting(v) not in drop]
+
+
+def _run_setting(run: dict) -> tuple:
+    """(tokens, hiding) a fact-stage run measured at."""
+    return int(run.get("facts_tokens", FACTS_DEFAULTS["facts_tokens"])), hide_code(run.get("hide_layers", 0))
 
 
 def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
@@ -341,8 +386,7 @@ def _facts_runs(stage: dict, entries: list[dict]) -> list[dict]:
 
 def _replaced(run: dict, tokens: int, hide: Hide, fractions: list[float]) -> bool:
     """Whether a new run at (tokens, hide) over `fractions` re-measured everything `run` measured."""
-    at = int(run.get("facts_tokens", FACTS_DEFAULTS["facts_tokens"])), hide_code(run.get("hide_layers", 0))
-    same = at == (tokens, hide)
+    same = _run_setting(run) == (tokens, hide)
     had = {round(float(f), 6) for f in str(run.get("fractions", "")).split(",") if f}
     return same and had <= {round(f, 6) for f in fractions}
 
