@@ -170,7 +170,7 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
     assert g["points"] == {"native": 3}
     marked = [{**x, "hide_translated": 12} if x["f"] > 0 else x for x in rows]
     (g,) = gate_replay(marked, {("s", "r"): ({}, {"recompute": hidden, "estimate": est})}, 0.85, 1.1)
-    assert g["points"] == {"f=0.10 mix": 1, "f=0.20 mix": 1, "native": 1}
+    assert g["points"] == {"f=0.10 mix hide12": 1, "f=0.20 mix hide12": 1, "native": 1}  # labelled as served
     # in the gate's order (expected TTFT): the better point is the cheaper one here, so it goes first;
     # where its estimate refuses (c), the worse point is skipped (the relay layer's rule): native after 1 s
     swapped = [{**x, "relay_ttft_s": {0.1: 2.0, 0.2: 1.0}.get(x["f"], x["relay_ttft_s"])}

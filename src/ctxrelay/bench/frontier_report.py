@@ -10,7 +10,7 @@ from ctxrelay.bench.faithful_bar import verdict
 from ctxrelay.bench.results import machine_facts, read_results, results_file
 from ctxrelay.bench.results import markdown_table as _markdown
 from ctxrelay.errors import UsageError
-from ctxrelay.transports.heterofold.hiding import hide_code, hide_order
+from ctxrelay.transports.heterofold.hiding import hide_code, hide_label, hide_order
 
 SAME_MACHINE = ("cpu_model", "cores", "torch_threads", "device", "torch")
 
@@ -235,7 +235,8 @@ def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, t
         trusted = trusts(model, row.get("context_tokens"), hide)
         if (e is None or not trusted or e >= threshold) and not empty:
             ratio = row["ppl"]["128"] / row["native_ppl"]["128"] if "128" in row["ppl"] else None
-            return {"point": f"f={f:.2f} {rule}", "ttft_s": spent, "native_ttft_s": native_s,
+            label = f"f={f:.2f} {rule}" + (f" {hide_label(hide)}" if hide else "")  # as the artifact labels it
+            return {"point": label, "ttft_s": spent, "native_ttft_s": native_s,
                     "top1": row["top1_agreement"], "needle": row.get("needle_acc"), "ppl_ratio": ratio,
                     "native_needle": native.get("native_needle_acc"), "dataset": native.get("dataset")}  # fmt: skip
         if e is not None and trusted and e < threshold:
