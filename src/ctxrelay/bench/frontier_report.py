@@ -10,7 +10,7 @@ from ctxrelay.bench.faithful_bar import verdict
 from ctxrelay.bench.results import machine_facts, read_results, results_file
 from ctxrelay.bench.results import markdown_table as _markdown
 from ctxrelay.errors import UsageError
-from ctxrelay.transports.heterofold.hiding import hide_code, hide_label, hide_order
+from ctxrelay.transports.heterofold.hiding import hide_code, hide_last, point_label
 
 SAME_MACHINE = ("cpu_model", "cores", "torch_threads", "device", "torch")
 
@@ -103,7 +103,7 @@ def estimate_check(rows: list[dict], estimators: dict[tuple[str, str], dict]) ->
         mine = [x for x in rows if (x["sender"], x["receiver"]) == (s, r) and x.get("kind") != "timing"
                 and x.get("selection") == model.get("rule", "mix") and x["f"] > 0]  # fmt: skip
         settings = {(x["f"], x["length"], x.get("hide_translated", 0)) for x in mine}
-        for f, n, hide in sorted(settings, key=lambda g: (g[0], g[1], hide_order(g[2]))):
+        for f, n, hide in sorted(settings, key=hide_last):
             part = [x for x in mine if (x["f"], x["length"], x.get("hide_translated", 0)) == (f, n, hide)]
             cont = [(estimate(model, _info(x, "continuation_info")), x["top1_agreement"]) for x in part]
             cont = [(e, y) for e, y in cont if e is not None]
@@ -235,8 +235,7 @@ def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, t
         trusted = trusts(model, row.get("context_tokens"), hide)
         if (e is None or not trusted or e >= threshold) and not empty:
             ratio = row["ppl"]["128"] / row["native_ppl"]["128"] if "128" in row["ppl"] else None
-            label = f"f={f:.2f} {rule}" + (f" {hide_label(hide)}" if hide else "")  # as the artifact labels it
-            return {"point": label, "ttft_s": spent, "native_ttft_s": native_s,
+            return {"point": point_label(f, rule, hide), "ttft_s": spent, "native_ttft_s": native_s,
                     "top1": row["top1_agreement"], "needle": row.get("needle_acc"), "ppl_ratio": ratio,
                     "native_needle": native.get("native_needle_acc"), "dataset": native.get("dataset")}  # fmt: skip
         if e is not None and trusted and e < threshold:

@@ -10,7 +10,15 @@ from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state
 from ctxrelay.models.tokens import suffix_ids, tokenize_context
 from ctxrelay.transports.heterofold import relay_prefill
-from ctxrelay.transports.heterofold.hiding import GLOBAL, hidden_layers, hide_code, hide_label, hide_order
+from ctxrelay.transports.heterofold.hiding import (
+    GLOBAL,
+    hidden_layers,
+    hide_code,
+    hide_label,
+    hide_last,
+    hide_order,
+    point_label,
+)
 from ctxrelay.transports.heterofold.recompute import parse_setting, recompute, select, setting_key
 from ctxrelay.transports.heterofold.transfer import assemble_cache, translated_mask
 
@@ -29,6 +37,10 @@ def test_hide_values_parse_label_and_order():
     for n, hide in ((4096, 0), (4096, 12), (2048, "global")):  # settings keys round-trip
         assert parse_setting(setting_key(n, hide)) == (n, hide)
     assert setting_key(4096, "global") == "4096+hideglobal"
+    assert sorted([(0.1, 4096, "global"), (0.1, 4096, 12), (0.1, 2048, 0)], key=hide_last) == [
+        (0.1, 2048, 0), (0.1, 4096, 12), (0.1, 4096, "global")]  # fmt: skip
+    assert [point_label(0.12, "mix", h) for h in (0, 12, "global")] == [
+        "f=0.12 mix", "f=0.12 mix hide12", "f=0.12 mix hideglobal"]  # fmt: skip
 
 
 def test_global_names_the_full_attention_layers(tiny_by_family):

@@ -12,7 +12,7 @@ from pathlib import Path
 from ctxrelay.transports.base import Transport
 from ctxrelay.transports.heterofold.calibrate import METHODS, CalibConfig, calibrate
 from ctxrelay.transports.heterofold.facts import facts_at, facts_levels
-from ctxrelay.transports.heterofold.hiding import hide_code, hide_label, hide_order
+from ctxrelay.transports.heterofold.hiding import hide_code, hide_last, point_label
 from ctxrelay.transports.heterofold.recompute import calibrated_estimates, serving_span, stage_setting, with_setting
 from ctxrelay.transports.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, identity_artifact, relay_prefill
 
@@ -45,7 +45,7 @@ class Heterofold(Transport):
         by_point: dict[tuple, list[dict]] = {}
         for q in table:
             by_point.setdefault((q["f"], q["selection"], hide_code(q.get("hide_translated", 0))), []).append(q)
-        for (f, rule, hide), levels in sorted(by_point.items(), key=lambda kv: (*kv[0][:2], hide_order(kv[0][2]))):
+        for (f, rule, hide), levels in sorted(by_point.items(), key=lambda kv: hide_last(kv[0])):
             levels = sorted(levels, key=lambda q: q["tokens"])
             ests = [calibrated_estimates(model, rows, f, q["tokens"], hide) for q in levels]
             kept = [facts_at(facts, f, tokens=q["tokens"], hide=hide) for q in levels]
@@ -64,8 +64,7 @@ class Heterofold(Transport):
             if span != [None, None]:
                 point_q["serves_tokens"] = span
             options = {"recompute": f, "selection": rule, **({"hide_translated": hide} if hide else {})}
-            label = f"f={f:.2f} {rule}" + (f" {hide_label(hide)}" if hide else "")
-            points.append({"label": label, "options": options, "quality": point_q})
+            points.append({"label": point_label(f, rule, hide), "options": options, "quality": point_q})
         return points
 
     def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):

@@ -21,7 +21,7 @@ from ctxrelay.data.datasets import (
     sharegpt_conversations,
 )
 from ctxrelay.errors import UsageError
-from ctxrelay.transports.heterofold.hiding import Hide, hide_code, hide_order
+from ctxrelay.transports.heterofold.hiding import Hide, hide_code, hide_last, hide_order
 
 # data options (`--set key=value`), the rest goes to ctxrelay.transports.heterofold.calibrate.CalibConfig
 DATA_DEFAULTS = {"chunk_chars": 2200, "essay_chunks": 40, "conversations": 24, "heldout_essays": 4, "heldout_convs": 4}
@@ -267,7 +267,7 @@ def _drop_settings(art: Artifact, stage: dict, keys: list[str]) -> None:
     have = {(q["tokens"], q["hide_translated"]) for q in table if q["f"]}
     drop = {parse_setting(k) for k in keys}
     if drop - have:
-        known = ", ".join(setting_key(*h) for h in sorted(have, key=lambda h: (h[0], hide_order(h[1]))))
+        known = ", ".join(setting_key(*h) for h in sorted(have, key=hide_last))
         raise UsageError(f"--set drop= must list settings the recompute stage measured: it has {known}")
 
     def gone(x: dict) -> bool:

@@ -26,7 +26,7 @@ from ctxrelay.artifact import Artifact
 from ctxrelay.metrics import PooledQuality, position_agreement
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.transports.heterofold import quality as heldout
-from ctxrelay.transports.heterofold.hiding import Hide, hide_code, hide_order
+from ctxrelay.transports.heterofold.hiding import Hide, hide_code, hide_last
 from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate, parse_setting, row_tokens, setting_key
 from ctxrelay.transports.heterofold.transfer import relay_prefill
 
@@ -41,7 +41,7 @@ def fit_estimate(rows: list[dict], cross_validate: bool = True) -> dict:
     length matter: into qwen-0.5b the mean top-1 at f = 0.3 falls from 2048 to 4096 tokens while the
     signal barely moves, so centres from one length rank a mix of lengths badly; per hiding too, as the
     same f hiding 12 layers and hiding none are two operating points with their own means."""
-    groups = sorted({_group(r) for r in rows}, key=_group_order)
+    groups = sorted({_group(r) for r in rows}, key=hide_last)
     best = None
     for sig in SIGNALS:
         rhos, xs, ys, settings = [], [], [], {}
@@ -59,7 +59,8 @@ def fit_estimate(rows: list[dict], cross_validate: bool = True) -> dict:
         rho = sum(rhos) / len(rhos)
         slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
         if best is None or abs(rho) > abs(best["spearman"]):
-            first = settings[min(settings, key=_setting_order)]  # what readers without per-setting centres use
+            # the first setting: what readers without per-setting centres use
+            first = settings[min(settings, key=lambda k: hide_last(parse_setting(k)))]
             best = {"signal": sig, "slope": slope, "centres": first, "spearman": rho, "texts": len(xs)}
             if len(settings) > 1:
                 best["lengths"] = settings
@@ -71,15 +72,6 @@ def fit_estimate(rows: list[dict], cross_validate: bool = True) -> dict:
 def _group(row: dict) -> tuple[float, int, Hide]:
     """(f, context length, hiding) of a recompute-stage row: one operating point's texts."""
     return row["f"], row_tokens(row), hide_code(row.get("hide_translated", 0))
-
-
-def _group_order(group: tuple[float, int, Hide]) -> tuple:
-    return group[0], group[1], hide_order(group[2])
-
-
-def _setting_order(key: str) -> tuple:
-    n, hide = parse_setting(key)
-    return n, hide_order(hide)
 
 
 def left_out_spearman(rows: list[dict]) -> float | None:
@@ -100,7 +92,7 @@ def left_out_spearman(rows: list[dict]) -> float | None:
                 if e is not None:
                     held[i] = e
     rhos = []
-    for g in sorted({_group(r) for r in rows}, key=_group_order):
+    for g in sorted({_group(r) for r in rows}, key=hide_last):
         part = [(held[i], float(r["top1_agreement"])) for i, r in enumerate(rows) if i in held and _group(r) == g]
         if len(part) >= 4 and len({e for e, _ in part}) > 1 and len({y for _, y in part}) > 1:
             rhos.append(float(spearmanr([e for e, _ in part], [y for _, y in part]).statistic))
@@ -164,5 +156,5 @@ def estimate_entry(rows: list[dict], rule: str) -> dict:
     if not est:
         return {}
     by = {setting_key(n, h): fit_estimate([r for r in part if _group(r)[1:] == (n, h)])
-          for n, h in sorted({_group(r)[1:] for r in part}, key=lambda s: (s[0], hide_order(s[1])))}  # fmt: skip
+          for n, h in sorted({_group(r)[1:] for r in part}, key=hide_last)}  # fmt: skip
     return {**est, "rule": rule, "by_setting": {k: {**v, "rule": rule} for k, v in by.items() if v}}

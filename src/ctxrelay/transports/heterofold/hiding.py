@@ -55,6 +55,19 @@ def hide_order(hide: object) -> tuple[int, int]:
     return (1, 0) if code == GLOBAL else (0, int(code))
 
 
+def hide_last(setting: tuple) -> tuple:
+    """A sort key for a tuple whose last item is a hiding ((f, tokens, hide), (tokens, hide), ...): ints
+    and "global" do not compare, so the hiding sorts by hide_order."""
+    return (*setting[:-1], hide_order(setting[-1]))
+
+
+def point_label(f: float, rule: str, hide: object = 0) -> str:
+    """An operating point's label, as the artifact names it and gate replays print it: "f=0.12 mix",
+    "f=0.12 mix hideglobal"."""
+    label = hide_label(hide)
+    return f"f={f:.2f} {rule}" + (f" {label}" if label else "")
+
+
 def hidden_layers(spec: ModelSpec, hide: object, first: int = 0) -> frozenset[int]:
     """The receiver layers whose question and answer rows skip translated entries. `first`: the layers
     below it hold the receiver's own entries (nothing translated to hide)."""
