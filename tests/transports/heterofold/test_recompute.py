@@ -227,6 +227,25 @@ def test_copy_sources_give_the_latest_distinct_source_the_depth():
     assert latest == list(range(second, second + 15)) and len(pos) == 30  # half each: two distinct sources
 
 
+def test_copy_sources_follow_the_text_the_ending_repeats_word_for_word():
+    """ShareGPT seed 500: a conversation repeating a legal text from 2000 tokens back, whose last tokens
+    also occurred in three later places: the far source the ending has been repeating gets the budget."""
+    from ctxrelay.transports.heterofold.recompute import COPY_VERBATIM, backward_match, copy_sources
+
+    tail = [7, 8, 9, 10, 11, 12]
+    repeated = list(range(500, 500 + COPY_VERBATIM + 8))  # the text the context's ending repeats
+    ids = repeated + tail + list(range(200, 240))
+    source = len(repeated)
+    for k in range(3):  # later, shorter matches of the last tokens, each followed by something else
+        ids += [900 + k] + tail + list(range(1000 + 50 * k, 1040 + 50 * k))
+    ids = torch.tensor(ids + repeated + tail)
+    latest = len(ids) - len(repeated + tail) - 40 - len(tail)  # the latest short match
+    hits = torch.tensor([source, latest])
+    assert ids[latest : latest + 6].tolist() == tail
+    assert backward_match(ids, hits, len(ids) - 6).tolist() == [len(repeated), 0]
+    assert copy_sources(ids, budget=30, n=6).tolist() == list(range(source, source + 30))
+
+
 def test_the_estimate_is_centred_per_calibrated_length():
     """Where mean top-1 falls with length and the signal does not, centres from one length would rank a
     mix of lengths by length; per-length centres rank requests by their signal within their length."""
