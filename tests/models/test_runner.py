@@ -209,6 +209,30 @@ def test_native_attention_gives_each_query_only_the_keys_it_can_see(monkeypatch)
             assert (attention.native_attention(c) - _full_mask_attention(c)).abs().max() < 1e-5
 
 
+def test_queries_at_the_end_of_the_cache_take_the_unmasked_kernel_with_the_same_output(monkeypatch):
+    """Selective recompute's last tokens (and a suffix after a cache) sit at the cache's last positions:
+    causal_tail computes them as two unmasked flash calls merged by log-sum-exp; the rows before them
+    (scattered sentences) keep the masked call, and the output equals SDPA over the whole masked cache."""
+    monkeypatch.setattr(attention, "SPLIT_MIN_ROWS", 3)
+    taken = []
+    monkeypatch.setattr(attention, "causal_tail", lambda c, run: taken.append(run) or _tail(c, run))
+    g = torch.Generator().manual_seed(1)
+    s, h, hkv, d = 70, 6, 2, 8
+    k, v = torch.randn(1, hkv, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g)
+    tail = torch.arange(50, s)
+    cases = ((torch.cat([torch.tensor([0, 7, 8, 30]), tail]), 20), (tail, 20), (torch.arange(s), s), (None, 20))
+    for pos, run in cases:
+        t = s - 50 if pos is None else pos.numel()
+        q = torch.randn(1, h, t, d, generator=g)
+        c = attention.AttnCall(0, q, k, v, s - t if pos is None else 0, d**-0.5, None, None, pos)
+        assert (attention.native_attention(c) - _full_mask_attention(c)).abs().max() < 1e-5
+        assert taken.pop() == run
+    assert attention.final_run(torch.tensor([3, 4, 8, 9]), 10) == 2 and attention.final_run(tail, s + 1) == 0
+
+
+_tail = attention.causal_tail
+
+
 def test_window_row_chunks_keep_scattered_positions_apart(monkeypatch):
     """Selective recompute's scattered positions (the sink, a sentence, the last tokens): each SDPA
     call of a sliding-window layer covers rows within WINDOW_CHUNK positions of each other, so its

@@ -36,6 +36,10 @@ class AttnCall:
 
 # query rows per SDPA call in sliding-window layers: each call sees rows + window - 1 keys
 WINDOW_CHUNK = 256
+# the fewest queries at the cache's end that causal_tail takes (two kernel calls; a decode step keeps one)
+SPLIT_MIN_ROWS = 32
+# SDPA's CPU flash kernel, which also returns each row's log-sum-exp (causal_tail merges two calls by it)
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 AttnFn = Callable[[AttnCall], torch.Tensor]
 ProbsCallback = Callable[[int, int, torch.Tensor], None]  # (layer, first query row, probs [H, rows, S])
@@ -87,12 +91,44 @@ def native_attention(c: AttnCall) -> torch.Tensor:
         return F.scaled_dot_product_attention(c.q, c.k, c.v, is_causal=True, scale=c.scale, enable_gqa=gqa)
     qpos = c.query_positions
     out = torch.empty_like(c.q)
-    for r in _row_chunks(qpos, c.window):
+    chunks = _row_chunks(qpos, c.window)
+    fast = _flash_cpu is not None and c.window is None and c.key_mask is None and c.q.device.type == "cpu"
+    run = final_run(qpos, s) if fast else 0
+    if run >= SPLIT_MIN_ROWS:  # the last queries in a row: no mask, the fast kernel (causal_tail)
+        out[:, :, t - run :] = causal_tail(c, run)
+        chunks = [slice(0, t - run)] if t > run else []
+    for r in chunks:
         lo, hi = _key_range(qpos[r], s, c.window)
         q, k, v = c.q[:, :, r], c.k[:, :, lo:hi], c.v[:, :, lo:hi]
         mask = call_mask(c, r, (lo, hi))
         out[:, :, r] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.scale, enable_gqa=gqa)
     return out
+
+
+def final_run(qpos: torch.Tensor, s: int) -> int:
+    """How many of the (sorted, distinct) query positions are the cache's last ones, s - run .. s - 1."""
+    k = qpos.numel()
+    if not k or int(qpos[-1]) != s - 1:
+        return 0
+    return int((qpos - torch.arange(k, device=qpos.device) == s - k).sum())
+
+
+def causal_tail(c: AttnCall, run: int) -> torch.Tensor:
+    """Attention of the last `run` queries, which sit at the cache's last `run` positions, exactly as the
+    masked call computes it: every key before them unmasked plus a causal square among them, two calls of
+    the CPU flash kernel merged by their log-sum-exp. A boolean mask over the whole cache (selective
+    recompute's tail and the suffix, a suffix after a cache) took the slower masked kernel: 1230 queries
+    over 4108 keys (qwen-0.5b's heads) read 419 ms masked against 232 ms split."""
+    q = c.q[:, :, c.q.shape[2] - run :]
+    k, v = expand_kv(c.k, c.q.shape[1]), expand_kv(c.v, c.q.shape[1])
+    p = k.shape[2] - run
+    out, lse = _flash_cpu(q, k[:, :, p:], v[:, :, p:], 0.0, True, scale=c.scale)
+    if p == 0:
+        return out
+    out_before, lse_before = _flash_cpu(q, k[:, :, :p], v[:, :, :p], 0.0, False, scale=c.scale)
+    total = torch.logaddexp(lse, lse_before)
+    mixed = out.float() * (lse - total).exp()[..., None] + out_before.float() * (lse_before - total).exp()[..., None]
+    return mixed.to(c.q.dtype)
 
 
 def _row_chunks(qpos: torch.Tensor, window: int | None) -> list[slice]:
