@@ -214,8 +214,8 @@ def test_queries_at_the_end_of_the_cache_take_the_unmasked_kernel_with_the_same_
     causal_tail computes them as two unmasked flash calls merged by log-sum-exp; the rows before them
     (scattered sentences) keep the masked call, and the output equals SDPA over the whole masked cache."""
     monkeypatch.setattr(attention, "SPLIT_MIN_ROWS", 3)
-    taken = []
-    monkeypatch.setattr(attention, "causal_tail", lambda c, run: taken.append(run) or _tail(c, run))
+    taken, tail_attention = [], attention.causal_tail
+    monkeypatch.setattr(attention, "causal_tail", lambda c, run: taken.append(run) or tail_attention(c, run))
     g = torch.Generator().manual_seed(1)
     s, h, hkv, d = 70, 6, 2, 8
     k, v = torch.randn(1, hkv, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g)
@@ -228,9 +228,6 @@ def test_queries_at_the_end_of_the_cache_take_the_unmasked_kernel_with_the_same_
         assert (attention.native_attention(c) - _full_mask_attention(c)).abs().max() < 1e-5
         assert taken.pop() == run
     assert attention.final_run(torch.tensor([3, 4, 8, 9]), 10) == 2 and attention.final_run(tail, s + 1) == 0
-
-
-_tail = attention.causal_tail
 
 
 def test_window_row_chunks_keep_scattered_positions_apart(monkeypatch):

@@ -145,11 +145,13 @@ def copy_sources(ids: torch.Tensor, budget: int, n: int = COPY_NGRAM) -> torch.T
             sources.append(p)
         if len(sources) == COPY_SOURCES:
             break
-    shares = [budget]  # one source, or a verbatim repeat: all of it
-    if len(sources) > 1 and ranked[0][0] < COPY_VERBATIM:  # the first keeps at least half, the others share
+    if ranked[0][0] >= COPY_VERBATIM:  # a verbatim repeat: its source takes the whole budget
+        sources = sources[:1]
+    shares = [budget]  # one source: all of it
+    if len(sources) > 1:  # the first keeps at least half, the others share the rest
         others = len(sources) - 1
         shares = [budget - budget // 2] + [max(n + 1, budget // 2 // others)] * others
-    spans = [torch.arange(p, min(p + share, t)) for p, share in zip(sources, shares, strict=False)]
+    spans = [torch.arange(p, min(p + share, t)) for p, share in zip(sources, shares, strict=True)]
     return torch.unique(torch.cat(spans))[:budget]
 
 
