@@ -93,7 +93,7 @@ def native_attention(c: AttnCall) -> torch.Tensor:
     out = torch.empty_like(c.q)
     chunks = _row_chunks(qpos, c.window)
     fast = _flash_cpu is not None and c.window is None and c.key_mask is None and c.q.device.type == "cpu"
-    run = final_run(qpos, s) if fast else 0
+    run = final_run(qpos, s) if fast and t >= SPLIT_MIN_ROWS else 0  # a decode step never looks
     if run >= SPLIT_MIN_ROWS:  # the last queries in a row: no mask, the fast kernel (causal_tail)
         out[:, :, t - run :] = causal_tail(c, run)
         chunks = [slice(0, t - run)] if t > run else []
