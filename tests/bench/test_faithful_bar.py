@@ -50,3 +50,49 @@ def test_the_newest_run_speaks_for_each_direction_and_length():
     assert [(x["length"], name) for x, name in picked] == [(2048, "old"), (4096, "new")]
     assert verdict(picked[1][0]).startswith("misses needles 4/8")
     assert [name for _, name in newest([("new", new), ("old", old)], every=True)] == ["old", "new", "old"]
+
+
+def _run(written: str, seed: int, *entries: dict) -> dict:
+    cases = [{"key": f"{kind}-{x['length']}-{i}", "context_sha": f"{seed}-{kind}-{x['length']}-{i}"}
+             for x in entries for kind in ("needle", "sharegpt") for i in range(4)]  # fmt: skip
+    return {"written": written, "gate": list(entries), "cases": cases}
+
+
+def test_pooled_runs_weigh_each_request_once():
+    from ctxrelay.bench.faithful_bar import pooled
+
+    a = entry(requests=18, points={"f=0.10 mix": 18}, needle_cases=12, needle_acc=11 / 12, native_needle_acc=11 / 12,
+              sharegpt_top1=0.895, sharegpt_ppl128_ratio=1.14, speedup=5.3)  # fmt: skip
+    b = entry(requests=16, points={"f=0.10 mix": 16}, needle_cases=12, needle_acc=9 / 12, native_needle_acc=10 / 12,
+              sharegpt_top1=0.83, sharegpt_ppl128_ratio=1.62, speedup=5.2)  # fmt: skip
+    native = entry(points={"native": 16}, length=2048)
+    doc = pooled(
+        [("a", _run("2026-12-05T10:00:00+0000", 200, a)), ("b", _run("2026-12-06T10:00:00+0000", 500, b, native))]
+    )
+    assert doc["written"].startswith("2026-12-06")
+    y, x = doc["gate"]  # by length: the 2048 entry only one run measured stays as it was
+    assert y == native
+    assert x["requests"] == 34 and x["needle_cases"] == 24 and x["points"] == {"f=0.10 mix": 34} and x["runs"] == 2
+    assert round(x["needle_acc"] * 24) == 20 and round(x["native_needle_acc"] * 24) == 21
+    # ShareGPT: 6 conversations of a, 4 of b; perplexity ratios and speedups as weighted geometric means
+    assert abs(x["sharegpt_top1"] - (6 * 0.895 + 4 * 0.83) / 10) < 1e-12
+    assert abs(x["sharegpt_ppl128_ratio"] - (1.14**6 * 1.62**4) ** 0.1) < 1e-12
+    assert abs(x["speedup"] - (5.3**18 * 5.2**16) ** (1 / 34)) < 1e-12
+    assert verdict(b).startswith("misses ShareGPT top-1") and verdict(x) == "holds"
+
+
+def test_runs_of_other_points_or_the_same_requests_are_not_pooled():
+    import pytest
+
+    from ctxrelay.bench.faithful_bar import pooled
+    from ctxrelay.errors import UsageError
+
+    relayed, native = entry(), entry(points={"native": 10}, speedup=None)
+    with pytest.raises(UsageError, match="served other points"):
+        pooled(
+            [("a", _run("2026-12-05T10:00:00+0000", 1, native)), ("b", _run("2026-12-06T10:00:00+0000", 2, relayed))]
+        )
+    with pytest.raises(UsageError, match="not another sample"):
+        pooled(
+            [("a", _run("2026-12-05T10:00:00+0000", 1, relayed)), ("b", _run("2026-12-06T10:00:00+0000", 1, relayed))]
+        )
