@@ -1,35 +1,27 @@
 """Issue 11's bar per direction and length, from the gate replays of the frontier runs named.
 
-    python scripts/faithful_status.py [--all] heterofold-frontier heterofold-frontier-s2g3-seed500+other-seed ...
+    python scripts/faithful_status.py [--all] heterofold-frontier heterofold-frontier-s2g3-seed500 ...
 
 Prints one markdown table: the gate replay per direction and length (as `ctxrelay bench
 heterofold-frontier --set phase=report` wrote it, with the artifacts installed then), what issue 11's bar
 says of it (`ctxrelay.bench.faithful_bar`), and the run it comes from. Where several runs cover one
-direction and length, the one written last speaks for it (`--all`: every run). Runs joined by "+" are held-out
-samples of one configuration, read as one (`ctxrelay.bench.faithful_bar.pooled`). No model runs.
+direction and length, the one written last speaks for it (`--all`: every run). No model runs.
 """
 
 import sys
 
-from ctxrelay.bench.faithful_bar import newest, pooled
+from ctxrelay.bench.faithful_bar import newest
 from ctxrelay.bench.frontier_report import GATE_HEADS, gate_row
 from ctxrelay.bench.results import markdown_table, read_results, results_file
-from ctxrelay.errors import UsageError
 
 
 def main(args: list[str]) -> None:
-    runs, written = [], {}
-    for arg in (a for a in args if a != "--all"):
-        group = [(name, read_results(results_file(name))) for name in arg.split("+")]
-        for name, doc in group:
-            if not doc.get("gate"):
-                sys.exit(f"{name} has no gate replay: run `ctxrelay bench heterofold-frontier ... --set phase=report`")
-        written[arg] = " + ".join(f"{name} ({doc['written'][:10]})" for name, doc in group)
-        try:
-            runs.append((arg, pooled(group) if len(group) > 1 else group[0][1]))
-        except UsageError as e:
-            sys.exit(str(e))
-    rows = [[*gate_row(x), written[name]] for x, name in newest(runs, every="--all" in args)]
+    runs = [(name, read_results(results_file(name))) for name in args if name != "--all"]
+    for name, doc in runs:
+        if not doc.get("gate"):
+            sys.exit(f"{name} has no gate replay: run `ctxrelay bench heterofold-frontier ... --set phase=report`")
+    written = {name: doc["written"][:10] for name, doc in runs}
+    rows = [[*gate_row(x), f"{name} ({written[name]})"] for x, name in newest(runs, every="--all" in args)]
     print("\n".join(markdown_table([*GATE_HEADS, "run"], rows)))
 
 
