@@ -188,3 +188,35 @@ def test_a_quality_only_run_still_plots(tmp_path):
            "needle_acc": 1, "native_needle_acc": 1, "recompute_fraction": 0.0}  # fmt: skip
     rows = [{**row, "selection": "none", "f": 0.0}, {**row, "selection": "mix", "f": 0.2, "recompute_fraction": 0.2}]
     assert plot(rows, tmp_path / "x.json").exists()
+
+
+def test_seeds_forty_apart_repeat_the_needle_requests_and_the_bench_says_so(tmp_path, monkeypatch):
+    from ctxrelay.bench.frontier_report import measured_before
+    from ctxrelay.bench.results import write_results
+    from ctxrelay.transports.heterofold.data import text_key
+
+    monkeypatch.setenv("CTXRELAY_RESULTS_DIR", str(tmp_path))
+    tok = tiny_tokenizer("bytelevel")
+
+    def cases(seed: int) -> list[dict]:
+        opts = {**hf.OPTIONS, "seed": seed, "needles": 4, "sharegpt": 0}
+        return [{"key": c.key, "context_sha": text_key(c.context)} for c in hf.build_cases(tok, [256], opts)]
+
+    assert cases(500) == cases(540)  # 10 held-out essays, 8 facts: a cycle of 40 seeds
+    assert not {c["context_sha"] for c in cases(500)} & {c["context_sha"] for c in cases(510)}
+    write_results(
+        "heterofold-frontier-old",
+        [{"transport": "heterofold", "sender": "s", "receiver": "r"}],
+        "old",
+        {"cases": cases(500)},
+    )
+    write_results(
+        "heterofold-frontier-other",
+        [{"transport": "heterofold", "sender": "x", "receiver": "r"}],
+        "other",
+        {"cases": cases(500)},
+    )
+    [line] = measured_before("heterofold-frontier-new", cases(540), [("s", "r")])
+    assert line.startswith("heterofold-frontier-old measured 4 of these 4 requests (needle-256-0,")
+    assert "for s -> r: not a fresh sample" in line
+    assert measured_before("heterofold-frontier-new", cases(510), [("s", "r")]) == []

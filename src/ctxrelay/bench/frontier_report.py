@@ -38,6 +38,32 @@ def reusable(out: str, extra: dict) -> dict | None:
     return doc
 
 
+def measured_before(out: str, cases: list[dict], dirs: list[tuple[str, str]]) -> list[str]:
+    """Where other frontier results files already measured these requests (same context) in a direction
+    of this run: one line per file. Such a run is not a fresh held-out sample. Seeds repeat requests far
+    apart: the held-out essays are 10 and the facts 8, so needle cases of seeds 40 apart are the same
+    requests, and every run at one length continues the same 10 essay texts; ShareGPT haystacks of seeds
+    400 apart are the same conversations."""
+    here = results_file(out).resolve()
+    mine = {c["context_sha"]: c["key"] for c in cases}
+    lines = []
+    for path in sorted(here.parent.glob("heterofold-frontier*.json")):
+        if path.resolve() == here:
+            continue
+        try:
+            doc = read_results(path)
+        except ValueError:
+            continue
+        theirs = {(x["sender"], x["receiver"]) for x in doc.get("rows", [])}
+        shared = [mine[c["context_sha"]] for c in doc.get("cases", []) if c.get("context_sha") in mine]
+        both = [f"{s} -> {r}" for s, r in dirs if (s, r) in theirs]
+        if shared and both:
+            named = ", ".join(shared[:3]) + (", ..." if len(shared) > 3 else "")
+            lines.append(f"{path.stem} measured {len(shared)} of these {len(cases)} requests ({named}) "
+                         f"for {', '.join(both)}: not a fresh sample there")  # fmt: skip
+    return lines
+
+
 def _mean(xs) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None

@@ -31,6 +31,7 @@ from ctxrelay.bench.frontier_report import (
     calibrated_points,
     estimate_check,
     gate_replay,
+    measured_before,
     plot,
     reusable,
     summarize,
@@ -72,7 +73,7 @@ OPTIONS = {
     "hide": 0,  # hide_translated: the question and answer skip translated entries in the first k layers ("global")
     "warmup": 1,
     "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts
-    "seed": 0,  # case i draws its essay and fact from seed + i: seeds closer than the case count share cases
+    "seed": 0,  # case i draws its essay and fact from seed + i: seeds share cases (frontier_report.measured_before)
     "resume": True,
     "phase": "both",  # quality | timing | both (timing runs must have the machine to themselves) | report
     "redo": "",  # comma list of rules whose kept rows of this phase are measured again (the rule changed)
@@ -289,6 +290,9 @@ def bench(
         return phase == "both" or timing == (phase == "timing")
 
     earlier = (reusable(out, extra) if resume else None) or {}
+    if not earlier and phase != "timing":
+        for line in measured_before(out, extra["cases"], dirs):
+            tqdm.write(f"warning: {line}")
     rows = [x for x in earlier.get("rows", []) if not stale(x)]
     # one file gathers the runs of several directions and phases: every command that wrote rows in it
     commands = list(dict.fromkeys([*earlier.get("commands", []), command]))
