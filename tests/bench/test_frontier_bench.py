@@ -217,6 +217,6 @@ def test_seeds_forty_apart_repeat_the_needle_requests_and_the_bench_says_so(tmp_
         {"cases": cases(500)},
     )
     [line] = measured_before("heterofold-frontier-new", cases(540), [("s", "r")])
-    assert line.startswith("heterofold-frontier-old measured 4 of these 4 requests (needle-256-0,")
-    assert "for s -> r: not a fresh sample" in line
+    assert line.startswith("4 of these 4 requests (needle-256-0, needle-256-1, needle-256-2, ...) were measured")
+    assert line.endswith("for s -> r before (in heterofold-frontier-old): not a fresh sample there")
     assert measured_before("heterofold-frontier-new", cases(510), [("s", "r")]) == []

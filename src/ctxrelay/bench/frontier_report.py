@@ -39,14 +39,15 @@ def reusable(out: str, extra: dict) -> dict | None:
 
 
 def measured_before(out: str, cases: list[dict], dirs: list[tuple[str, str]]) -> list[str]:
-    """Where other frontier results files already measured these requests (same context) in a direction
-    of this run: one line per file. Such a run is not a fresh held-out sample. Seeds repeat requests far
-    apart: the held-out essays are 10 and the facts 8, so needle cases of seeds 40 apart are the same
-    requests, and every run at one length continues the same 10 essay texts; ShareGPT haystacks of seeds
-    400 apart are the same conversations."""
+    """Which of these requests (by context) other frontier results files already measured in a direction
+    of this run: one line per such direction, naming the requests and the files. Such a run is not a fresh
+    held-out sample there. Seeds repeat requests far apart: a needle case is fixed by (seed + i) mod 40
+    (10 held-out essays to start the haystack at, 8 facts) with i's depth and wording, so seeds 40 apart
+    give the same requests, and every run at one length continues the same 10 essay texts; ShareGPT
+    haystacks start at conversation 7 (seed + j + length) of 400, so seeds 400 apart repeat."""
     here = results_file(out).resolve()
     mine = {c["context_sha"]: c["key"] for c in cases}
-    lines = []
+    shared: dict[tuple[str, str], tuple[set, list]] = {}
     for path in sorted(here.parent.glob("heterofold-frontier*.json")):
         if path.resolve() == here:
             continue
@@ -54,13 +55,17 @@ def measured_before(out: str, cases: list[dict], dirs: list[tuple[str, str]]) ->
             doc = read_results(path)
         except ValueError:
             continue
-        theirs = {(x["sender"], x["receiver"]) for x in doc.get("rows", [])}
-        shared = [mine[c["context_sha"]] for c in doc.get("cases", []) if c.get("context_sha") in mine]
-        both = [f"{s} -> {r}" for s, r in dirs if (s, r) in theirs]
-        if shared and both:
-            named = ", ".join(shared[:3]) + (", ..." if len(shared) > 3 else "")
-            lines.append(f"{path.stem} measured {len(shared)} of these {len(cases)} requests ({named}) "
-                         f"for {', '.join(both)}: not a fresh sample there")  # fmt: skip
+        keys = {mine[c["context_sha"]] for c in doc.get("cases", []) if c.get("context_sha") in mine}
+        for d in {(x["sender"], x["receiver"]) for x in doc.get("rows", [])} & set(dirs) if keys else ():
+            seen, files = shared.setdefault(d, (set(), []))
+            seen |= keys
+            files.append(path.stem)
+    lines = []
+    for (s, r), (keys, files) in sorted(shared.items()):
+        named = ", ".join(sorted(keys)[:3]) + (", ..." if len(keys) > 3 else "")
+        where = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        lines.append(f"{len(keys)} of these {len(cases)} requests ({named}) were measured for {s} -> {r} before "
+                     f"(in {where}): not a fresh sample there")  # fmt: skip
     return lines
 
 
