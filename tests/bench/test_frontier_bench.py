@@ -114,6 +114,15 @@ def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path, capsys, monkey
     assert len(json.loads(fresh.read_text())["rows"]) == 3 * 3 + 1
 
 
+def test_a_sharegpt_only_run_is_timed_on_its_first_conversation(tiny_world):
+    opts = {"needles": 0, "sharegpt": 1, "rules": "recency", "fractions": "0.5", "continuation": 17,
+            "answer_tokens": 4, "exact_check": False}  # fmt: skip
+    doc = json.loads(hf.bench(sender="S", receiver="R", lengths=[160], repeats=1, options=opts).read_text())
+    timed = [x for x in doc["rows"] if x.get("kind") == "timing"]
+    assert {(x["selection"], x["f"]) for x in timed} == {("none", 0.0), ("recency", 0.5)}
+    assert all("speedup" in x for x in doc["summary"])
+
+
 def test_frontier_refuses_bad_options():
     with pytest.raises(UsageError, match="unknown recompute rule"):
         hf.points({"rules": "magic", "fractions": "0.1"})

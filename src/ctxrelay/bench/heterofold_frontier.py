@@ -8,7 +8,8 @@ cases. Every point (selection rule, recompute fraction f) of the frontier, plus 
 receiver's own native prefill: needle answers (greedy, scored with score_answer), top-1 agreement,
 KL and perplexity of the continuation, and the per-request signals the gate's estimate is fitted on.
 TTFT (translate + select + recompute + suffix + first token) is timed against native prefill in the
-same run on the first needle case of each length (native timed before and after the points). The
+same run on the first needle case of each length (the first case where a length has none; native timed
+before and after the points). The
 quality phase may share the machine; the timing phase must not (`--set phase=timing` under the
 timing lock). Sender states and native references are cached; rows are written as they come and a
 rerun with the same cases resumes (rows are kept by direction, case and point).
@@ -297,8 +298,10 @@ def bench(
     # one file gathers the runs of several directions and phases: every command that wrote rows in it
     commands = list(dict.fromkeys([*earlier.get("commands", []), command]))
     done = {_row_key(x) for x in rows}
-    firsts = {c.length: c for c in reversed(cases) if c.kind == "needle"}
-    # the timing phase reads only the first needle case of each length: prefill only their states
+    # each length's first needle case (its first case where it has none: a ShareGPT-only run is timed too)
+    firsts = {c.length: c for c in reversed(cases)}
+    firsts.update({c.length: c for c in reversed(cases) if c.kind == "needle"})
+    # the timing phase reads only those cases: prefill only their states
     needed = cases if phase != "timing" else [c for c in cases if c in firsts.values()]
     paths_of = {s: cached_sender_states(s, [c.context for c in needed]) for s in dict.fromkeys(s for s, _ in dirs)}
     states = {s: {c.key: p for c, p in zip(needed, ps, strict=True)} for s, ps in paths_of.items()}
