@@ -56,7 +56,9 @@ def measured_before(out: str, cases: list[dict], dirs: list[tuple[str, str]]) ->
         except ValueError:
             continue
         keys = {mine[c["context_sha"]] for c in doc.get("cases", []) if c.get("context_sha") in mine}
-        for d in {(x["sender"], x["receiver"]) for x in doc.get("rows", [])} & set(dirs) if keys else ():
+        if not keys:
+            continue
+        for d in {(x["sender"], x["receiver"]) for x in doc.get("rows", [])} & set(dirs):
             seen, files = shared.setdefault(d, (set(), []))
             seen |= keys
             files.append(path.stem)

@@ -8,11 +8,11 @@ cases. Every point (selection rule, recompute fraction f) of the frontier, plus 
 receiver's own native prefill: needle answers (greedy, scored with score_answer), top-1 agreement,
 KL and perplexity of the continuation, and the per-request signals the gate's estimate is fitted on.
 TTFT (translate + select + recompute + suffix + first token) is timed against native prefill in the
-same run on the first needle case of each length (the first case where a length has none; native timed
-before and after the points). The
-quality phase may share the machine; the timing phase must not (`--set phase=timing` under the
-timing lock). Sender states and native references are cached; rows are written as they come and a
-rerun with the same cases resumes (rows are kept by direction, case and point).
+same run on the first needle case of each length (its first case where it has none; native timed before
+and after the points). The quality phase may share the machine; the timing phase must not (`--set
+phase=timing` under the timing lock). Sender states and native references are cached; rows are written
+as they come and a rerun with the same cases resumes (rows are kept by direction, case and point). A
+new run warns where other results files measured the same requests in one of its directions.
 """
 
 from __future__ import annotations
