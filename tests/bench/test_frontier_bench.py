@@ -229,3 +229,29 @@ def test_seeds_forty_apart_repeat_the_needle_requests_and_the_bench_says_so(tmp_
     assert line.startswith("4 of these 4 requests (needle-256-0, needle-256-1, needle-256-2, ...) were measured")
     assert line.endswith("for s -> r before (in heterofold-frontier-old): not a fresh sample there")
     assert measured_before("heterofold-frontier-new", cases(510), [("s", "r")]) == []
+
+
+def test_a_work_artifact_is_measured_in_its_direction_and_named_in_the_file(tiny_world, tmp_path, monkeypatch):
+    from ctxrelay import zoo
+    from ctxrelay.artifact import Artifact
+
+    s, r = tiny_world
+    names = {s.spec.name: s, r.spec.name: r}
+    monkeypatch.setattr(zoo, "load", lambda name, **kw: names[name])
+    work = Artifact.load(zero_artifact(s, r).save(tmp_path / "work.safetensors"))
+    opts = {"needles": 1, "sharegpt": 0, "rules": "recency", "fractions": "0.5", "continuation": 17,
+            "answer_tokens": 4, "exact_check": False, "phase": "quality",
+            "artifact": str(tmp_path / "work.safetensors")}  # fmt: skip
+    path = hf.bench(sender=s.spec.name, receiver=r.spec.name, lengths=[160], repeats=1, options=opts, out="work")
+    doc = json.loads(path.read_text())
+    assert doc["artifact"] == str((tmp_path / "work.safetensors").resolve())
+    assert doc["options"]["artifact"] == work.digest and work.digest  # a resume with another artifact is refused
+    assert {(x["selection"], x["f"]) for x in doc["rows"]} == {("none", 0.0), ("recency", 0.5)}
+    hf.bench(options={"phase": "report"}, out="work")  # derived with the work artifact again
+    assert json.loads(path.read_text())["artifact"] == doc["artifact"]
+    with pytest.raises(UsageError, match="one direction"):
+        hf.bench(sender=f"{s.spec.name},{r.spec.name}", receiver=f"{r.spec.name},{s.spec.name}", options=opts)
+    with pytest.raises(UsageError, match="is the artifact of"):
+        hf.bench(sender=r.spec.name, receiver=s.spec.name, options=opts)
+    with pytest.raises(UsageError, match="no artifact file"):
+        hf.bench(sender=s.spec.name, receiver=r.spec.name, options={**opts, "artifact": str(tmp_path / "none")})

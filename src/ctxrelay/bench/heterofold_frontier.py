@@ -13,6 +13,8 @@ and after the points). The quality phase may share the machine; the timing phase
 phase=timing` under the timing lock). Sender states and native references are cached; rows are written
 as they come and a rerun with the same cases resumes (rows are kept by direction, case and point). A
 new run warns where other results files measured the same requests in one of its directions.
+`--set artifact=PATH` measures a work copy of one direction's artifact (a candidate not yet installed);
+the file keeps its path and digest, and its report derives the gate replay with it.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ OPTIONS = {
     "phase": "both",  # quality | timing | both (timing runs must have the machine to themselves) | report
     "redo": "",  # comma list of rules whose kept rows of this phase are measured again (the rule changed)
     "redo_datasets": "",  # with redo: only rows of these datasets (comma list of needle, sharegpt; empty: all)
+    "artifact": "",  # a work copy of the one direction's artifact, measured instead of the installed one
 }
 CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "hide", "ref_tokenizer", "seed")
 
@@ -275,11 +278,16 @@ def bench(
     if phase == "report":  # nothing measured: the rows already there, their tables (again) and plot
         return report(out)
     pts, dirs = points(opts), _directions(sender, receiver)
+    work_path = str(opts.pop("artifact"))
     command = command or f"ctxrelay bench heterofold-frontier --lengths {','.join(map(str, lengths))}"
     cases = build_cases(ref_tokenizer(opts["ref_tokenizer"]), sorted(lengths), opts)
-    arts = {d: _artifact(*d) for d in dirs}
+    arts = work_artifact(work_path, dirs) if work_path else {d: _artifact(*d) for d in dirs}
     case_opts = {k: opts[k] for k in CASE_OPTIONS if k != "hide" or hide_code(opts[k])}  # runs before hide: the same
+    if work_path:  # rows of another artifact are not resumed into this file (reusable compares the options)
+        case_opts["artifact"] = next(iter(arts.values())).digest
     extra = {"options": case_opts, "lengths": sorted(lengths), "repeats": repeats}
+    if work_path:
+        extra["artifact"] = str(Path(work_path).expanduser().resolve())
     extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
 
     def stale(x: dict) -> bool:  # a row of a rule to measure again: this run's phase, directions, datasets
@@ -406,6 +414,13 @@ def report(out: str) -> Path:
     doc = read_results(out)
     dirs = sorted({(x["sender"], x["receiver"]) for x in doc["rows"]})
     arts = {d: _artifact(*d) for d in dirs if _artifact_path(*d).exists()}
+    if doc.get("artifact"):  # measured with a work artifact: derived with it, or kept as written
+        arts = {}
+        if Path(doc["artifact"]).exists():
+            arts = work_artifact(doc["artifact"], dirs)
+            if next(iter(arts.values())).digest != doc["options"].get("artifact"):
+                print(f"{doc['artifact']} changed since these rows were measured")
+                arts = {}
     for d in dirs:
         if d not in arts:
             print(f"no artifact for {d[0]} -> {d[1]} here: its gate replay and estimate check stay as written")
@@ -431,6 +446,24 @@ def _artifact(sender: str, receiver: str):
     if not p.exists():
         raise UsageError(f"no heterofold artifact for {sender} -> {receiver} at {p}: run `ctxrelay calibrate` first")
     return Artifact.load(p, transport=TRANSPORT, version=ARTIFACT_VERSION)
+
+
+def work_artifact(path: str, dirs: list[tuple[str, str]]) -> dict:
+    """`--set artifact=PATH`: a work copy of one direction's artifact (not installed; a candidate to ship),
+    measured in that direction's place. The file keeps its path and payload digest."""
+    from ctxrelay.artifact import Artifact
+    from ctxrelay.transports.heterofold import ARTIFACT_VERSION, TRANSPORT
+
+    if len(dirs) != 1:
+        raise UsageError("--set artifact=PATH measures one direction: give one --sender and one --receiver")
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UsageError(f"no artifact file at {p} (--set artifact=PATH)")
+    art = Artifact.load(p, transport=TRANSPORT, version=ARTIFACT_VERSION)
+    pair = (art.sender.get("name"), art.receiver.get("name"))
+    if pair != tuple(dirs[0]):
+        raise UsageError(f"{p} is the artifact of {pair[0]} -> {pair[1]}, not of {dirs[0][0]} -> {dirs[0][1]}")
+    return {tuple(dirs[0]): art}
 
 
 def _row_key(row: dict) -> tuple:
