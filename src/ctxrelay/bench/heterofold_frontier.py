@@ -413,14 +413,10 @@ def report(out: str) -> Path:
     (the rows stay as measured), print them and redraw the plot."""
     doc = read_results(out)
     dirs = sorted({(x["sender"], x["receiver"]) for x in doc["rows"]})
-    arts = {d: _artifact(*d) for d in dirs if _artifact_path(*d).exists()}
     if doc.get("artifact"):  # measured with a work artifact: derived with it, or kept as written
-        arts = {}
-        if Path(doc["artifact"]).exists():
-            arts = work_artifact(doc["artifact"], dirs)
-            if next(iter(arts.values())).digest != doc["options"].get("artifact"):
-                print(f"{doc['artifact']} changed since these rows were measured")
-                arts = {}
+        arts = _measured_with(doc, dirs)
+    else:
+        arts = {d: _artifact(*d) for d in dirs if _artifact_path(*d).exists()}
     for d in dirs:
         if d not in arts:
             print(f"no artifact for {d[0]} -> {d[1]} here: its gate replay and estimate check stay as written")
@@ -464,6 +460,17 @@ def work_artifact(path: str, dirs: list[tuple[str, str]]) -> dict:
     if pair != tuple(dirs[0]):
         raise UsageError(f"{p} is the artifact of {pair[0]} -> {pair[1]}, not of {dirs[0][0]} -> {dirs[0][1]}")
     return {tuple(dirs[0]): art}
+
+
+def _measured_with(doc: dict, dirs: list[tuple[str, str]]) -> dict:
+    """The work artifact a results file was measured with, while it is there unchanged; else none."""
+    if not Path(doc["artifact"]).exists():
+        return {}
+    arts = work_artifact(doc["artifact"], dirs)
+    if next(iter(arts.values())).digest != doc["options"].get("artifact"):
+        print(f"{doc['artifact']} changed since these rows were measured")
+        return {}
+    return arts
 
 
 def _row_key(row: dict) -> tuple:
