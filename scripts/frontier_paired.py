@@ -11,7 +11,6 @@ OLD -> NEW, the paired mean difference with its standard error and how many requ
 the geometric-mean continuation perplexity against native, and needles answered right (native). No model runs.
 """
 
-import math
 import statistics
 import sys
 from collections import defaultdict
@@ -55,7 +54,7 @@ def main() -> None:
         diff = [b["top1_agreement"] - a["top1_agreement"] for a, b in rows]
         se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else float("nan")
         top = [statistics.mean(r[i]["top1_agreement"] for r in rows) for i in (0, 1)]
-        ppl = [math.exp(statistics.mean(math.log(ppl_ratio(r[i])) for r in rows)) for i in (0, 1)]
+        ppl = [statistics.geometric_mean(ppl_ratio(r[i]) for r in rows) for i in (0, 1)]
         needles = "-"
         if ds == "needle":
             right = [sum(r[i].get("needle_acc", 0) for r in rows) for i in (0, 1)]
