@@ -281,12 +281,12 @@ def bench(
     work_path = str(opts.pop("artifact"))
     command = command or f"ctxrelay bench heterofold-frontier --lengths {','.join(map(str, lengths))}"
     cases = build_cases(ref_tokenizer(opts["ref_tokenizer"]), sorted(lengths), opts)
-    arts = work_artifact(work_path, dirs) if work_path else {d: _artifact(*d) for d in dirs}
+    work = work_artifact(work_path, dirs) if work_path else None
+    arts = {tuple(dirs[0]): work} if work else {d: _artifact(*d) for d in dirs}
     case_opts = {k: opts[k] for k in CASE_OPTIONS if k != "hide" or hide_code(opts[k])}  # runs before hide: the same
-    if work_path:  # rows of another artifact are not resumed into this file (reusable compares the options)
-        case_opts["artifact"] = next(iter(arts.values())).digest
     extra = {"options": case_opts, "lengths": sorted(lengths), "repeats": repeats}
-    if work_path:
+    if work:  # rows of another artifact are not resumed into this file (reusable compares the options)
+        case_opts["artifact"] = work.digest
         extra["artifact"] = str(Path(work_path).expanduser().resolve())
     extra["cases"] = [{"key": c.key, "context_sha": text_key(c.context), "depth": c.depth} for c in cases]
 
@@ -444,7 +444,7 @@ def _artifact(sender: str, receiver: str):
     return Artifact.load(p, transport=TRANSPORT, version=ARTIFACT_VERSION)
 
 
-def work_artifact(path: str, dirs: list[tuple[str, str]]) -> dict:
+def work_artifact(path: str, dirs: list[tuple[str, str]]):
     """`--set artifact=PATH`: a work copy of one direction's artifact (not installed; a candidate to ship),
     measured in that direction's place. The file keeps its path and payload digest."""
     from ctxrelay.artifact import Artifact
@@ -459,18 +459,18 @@ def work_artifact(path: str, dirs: list[tuple[str, str]]) -> dict:
     pair = (art.sender.get("name"), art.receiver.get("name"))
     if pair != tuple(dirs[0]):
         raise UsageError(f"{p} is the artifact of {pair[0]} -> {pair[1]}, not of {dirs[0][0]} -> {dirs[0][1]}")
-    return {tuple(dirs[0]): art}
+    return art
 
 
 def _measured_with(doc: dict, dirs: list[tuple[str, str]]) -> dict:
     """The work artifact a results file was measured with, while it is there unchanged; else none."""
     if not Path(doc["artifact"]).exists():
         return {}
-    arts = work_artifact(doc["artifact"], dirs)
-    if next(iter(arts.values())).digest != doc["options"].get("artifact"):
+    art = work_artifact(doc["artifact"], dirs)
+    if art.digest != doc["options"].get("artifact"):
         print(f"{doc['artifact']} changed since these rows were measured")
         return {}
-    return arts
+    return {tuple(dirs[0]): art}
 
 
 def _row_key(row: dict) -> tuple:
