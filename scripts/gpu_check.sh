@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" CTXRELAY_RESULTS_DIR="$OUT" CTXRELAY_SKIP_REAL=1
+export PYTHONPATH="src:benchmarks${PYTHONPATH:+:$PYTHONPATH}" CTXRELAY_RESULTS_DIR="$OUT" CTXRELAY_SKIP_REAL=1
 LOG="$OUT/mapflow-gpu.log"
 : >"$LOG"
 
@@ -33,7 +33,7 @@ else
 fi
 
 # lengths 2048,4096,8192, 10 timed repeats each after warm-up (the first call compiles the kernel)
-timeout 120 "$PY" -m ctxrelay.bench.mapflow_gpu 2048,4096,8192 10 2>&1 | tee -a "$LOG"
+timeout 120 "$PY" -m ctxrelay_bench.mapflow_gpu.bench 2048,4096,8192 10 2>&1 | tee -a "$LOG"
 timing=${PIPESTATUS[0]}
 echo "gpu_check: timing exit $timing (1: the kernel is not exact at some length)" | tee -a "$LOG"
 [ "$status" -ne 0 ] && exit "$status"

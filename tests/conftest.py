@@ -43,8 +43,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def zero_artifact(sender, receiver):
-    """Cross-family artifact whose maps output zeros (ctxrelay.serve.testing, shared with the bench)."""
-    from ctxrelay.serve.testing import zero_artifact as make
+    """Cross-family artifact whose maps output zeros (ctxrelay_bench.harness, shared with the bench)."""
+    from ctxrelay_bench.harness import zero_artifact as make
 
     return make(sender, receiver)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ctxrelay.serve import testing
-from ctxrelay.serve.testing import free_port  # noqa: F401 - tests import it from here
+from ctxrelay_bench import harness as testing
+from ctxrelay_bench.harness import free_port  # noqa: F401 - tests import it from here
 
 
 def start_redis(work_dir: Path) -> tuple[subprocess.Popen, str]:

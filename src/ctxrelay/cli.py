@@ -143,10 +143,37 @@ def calibrate(
     console.print(f"[green]artifact written:[/] {path}")
 
 
+BENCH_GROUP = "ctxrelay.benches"  # entry points of the bench distribution (benchmarks/pyproject.toml)
+
+
+def bench_names() -> list[str]:
+    from importlib.metadata import entry_points
+
+    return sorted(ep.name for ep in entry_points(group=BENCH_GROUP))
+
+
+def bench_module(name: str):
+    """The benchmark module `name`, found through the bench distribution's entry points: the library
+    ships no benchmark and never imports that distribution by name."""
+    from importlib.metadata import entry_points
+
+    from ctxrelay.errors import UsageError
+
+    found = {ep.name: ep for ep in entry_points(group=BENCH_GROUP)}
+    if not found:
+        raise UsageError(
+            "the benchmarks are a distribution of their own: install it with `pip install -e benchmarks` "
+            "from a checkout (`make dev` does)"
+        )
+    if name not in found:
+        raise UsageError(f"unknown benchmark {name!r}: use one of {', '.join(sorted(found))}")
+    return found[name].load()
+
+
 @app.command()
 @user_errors
 def bench(
-    name: str = typer.Argument("native", help="native, mapflow, heterofold or heterofold-limits"),
+    name: str = typer.Argument("native", help="the benchmark (`ctxrelay bench --list` names them)"),
     model: str = typer.Option("", help="native: comma-separated zoo names or 'all'"),
     sender: str = typer.Option("", help="comma-separated senders (transports)"),
     receiver: str = typer.Option("", help="comma-separated receivers (transports)"),
@@ -155,12 +182,15 @@ def bench(
     out: str = typer.Option("", help="results name under benchmarks/results (default: the benchmark's)"),
     sets: list[str] = typer.Option([], "--set", help="transport option key=value (repeatable)"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
+    list_: bool = typer.Option(False, "--list", help="name the installed benchmarks and exit"),
 ) -> None:
     """Benchmark TTFT and quality against native prefill; writes benchmarks/results/NAME.json + plot."""
-    from ctxrelay.bench import bench_module
-
+    if list_:
+        console.print("\n".join(bench_names()) or "no benchmarks installed: `pip install -e benchmarks`")
+        return
+    module = bench_module(name)
     set_threads(threads or None)
-    path = bench_module(name).bench(
+    path = module.bench(
         model=model,
         sender=sender,
         receiver=receiver,
@@ -193,7 +223,7 @@ def demo(
     """The main job: a long essay + question read by one model, answered by three others from its state."""
     from pathlib import Path
 
-    from ctxrelay.bench.demo import DemoConfig, run_demo
+    from ctxrelay.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
         sender=sender,
@@ -229,7 +259,7 @@ def profile(
 ) -> None:
     """Measure native prefill and every edge's transport cost on this machine; refit the cost model."""
     from ctxrelay import paths
-    from ctxrelay.bench.demo import text_for
+    from ctxrelay.demo import text_for
     from ctxrelay.relay.api import ModelPool
     from ctxrelay.relay.graph import Profile
     from ctxrelay.relay.profile import profile_pool, refit_profile

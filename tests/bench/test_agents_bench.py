@@ -2,9 +2,9 @@
 
 import pytest
 
-from ctxrelay.bench import agents
 from ctxrelay.errors import UsageError
-from ctxrelay.serve.testing import relay_pool
+from ctxrelay_bench.agents import bench as agents
+from ctxrelay_bench.harness import relay_pool
 
 
 @pytest.fixture

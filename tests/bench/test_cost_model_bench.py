@@ -3,13 +3,13 @@
 import pytest
 
 from ctxrelay.artifact import Artifact
-from ctxrelay.bench import cost_model
-from ctxrelay.bench.demo import text_for
+from ctxrelay.demo import text_for
 from ctxrelay.models.capture import capture_state
 from ctxrelay.relay.gate import decide
 from ctxrelay.relay.graph import Profile
 from ctxrelay.relay.profile import profile_pool, refit_profile
-from ctxrelay.serve.testing import relay_pool
+from ctxrelay_bench.cost_model import bench as cost_model
+from ctxrelay_bench.harness import relay_pool
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from ctxrelay.bench import decode
 from ctxrelay.models import runner
+from ctxrelay_bench.decode import bench as decode
 
 
 def test_bench_decode_rows_and_same_tokens(tiny_by_family, tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ import json
 import pytest
 from rich.console import Console
 
-from ctxrelay.bench.demo import DemoConfig, print_table, run_demo
+from ctxrelay.demo import DemoConfig, print_table, run_demo
 from ctxrelay.errors import UsageError
 from ctxrelay.relay import ModelPool
 from ctxrelay.relay.graph import Profile

@@ -1,7 +1,7 @@
 """Issue 11's bar on a gate-replay entry: what holds, what is missed and by how much."""
 
-from ctxrelay.bench.faithful_bar import checks, verdict
-from ctxrelay.bench.frontier_report import GATE_HEADS, gate_row
+from ctxrelay_bench.heterofold_frontier.report import GATE_HEADS, gate_row
+from ctxrelay_bench.heterofold_frontier.targets import checks, verdict
 
 
 def entry(**kw) -> dict:
@@ -42,7 +42,7 @@ def test_the_gate_table_row_ends_with_the_verdict():
 
 
 def test_the_newest_run_speaks_for_each_direction_and_length():
-    from ctxrelay.bench.faithful_bar import newest
+    from ctxrelay_bench.heterofold_frontier.targets import newest
 
     old = {"written": "2026-12-05T10:00:00+0000", "gate": [entry(), entry(length=2048, speedup=2.5)]}
     new = {"written": "2026-12-06T10:00:00+0000", "gate": [entry(needle_acc=0.5)]}

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import zero_artifact
-from ctxrelay.bench import heterofold_frontier as hf
 from ctxrelay.errors import UsageError
 from ctxrelay.models.tiny import tiny_tokenizer
+from ctxrelay_bench.heterofold_frontier import bench as hf
 
 
 @contextmanager
@@ -25,7 +25,7 @@ def torch_threads(n: int):
 @pytest.fixture
 def tiny_world(tiny_by_family, tmp_path, monkeypatch):
     from ctxrelay import zoo
-    from ctxrelay.transports.heterofold import calib_data
+    from ctxrelay.transports.heterofold.calibration import job as calib_data
 
     s, r = tiny_by_family["llama"], tiny_by_family["qwen2"]
     models = {"S": s, "R": r}
@@ -79,7 +79,7 @@ def test_frontier_rows_exactness_and_resume(tiny_world, tmp_path, capsys, monkey
     assert stamped["machine"]["cpu_model"] == "the measuring machine"
     path.write_text(json.dumps({**stamped, "machine": machine}))
     # a direction whose artifact is not installed here keeps its gate replay and estimate check as written
-    from ctxrelay.transports.heterofold import calib_data
+    from ctxrelay.transports.heterofold.calibration import job as calib_data
 
     with monkeypatch.context() as m:
         m.setattr(calib_data, "find_artifact", lambda sender, receiver: tmp_path / "missing.safetensors")
@@ -133,7 +133,7 @@ def test_frontier_refuses_bad_options():
 
 
 def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native():
-    from ctxrelay.bench.frontier_report import gate_replay
+    from ctxrelay_bench.heterofold_frontier.report import gate_replay
 
     def q(case, rule, f, est, needle, top1=0.9):
         info = {"tail_confidence": est}
@@ -190,7 +190,7 @@ def test_gate_replay_takes_the_cheapest_point_whose_estimate_passes_else_native(
 
 
 def test_a_quality_only_run_still_plots(tmp_path):
-    from ctxrelay.bench.frontier_report import plot
+    from ctxrelay_bench.heterofold_frontier.report import plot
 
     row = {"sender": "s", "receiver": "r", "length": 512, "case_key": "needle-512-0", "dataset": "needle",
            "top1_agreement": 0.8, "kl": 0.1, "ppl": {"128": 2.0}, "native_ppl": {"128": 1.9},
@@ -200,9 +200,9 @@ def test_a_quality_only_run_still_plots(tmp_path):
 
 
 def test_seeds_forty_apart_repeat_the_needle_requests_and_the_bench_says_so(tmp_path, monkeypatch):
-    from ctxrelay.bench.frontier_report import measured_before
-    from ctxrelay.bench.results import write_results
-    from ctxrelay.transports.heterofold.data import text_key
+    from ctxrelay.results import write_results
+    from ctxrelay.transports.heterofold.calibration.text_cache import text_key
+    from ctxrelay_bench.heterofold_frontier.report import measured_before
 
     monkeypatch.setenv("CTXRELAY_RESULTS_DIR", str(tmp_path))
     tok = tiny_tokenizer("bytelevel")

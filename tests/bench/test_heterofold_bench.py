@@ -2,9 +2,9 @@
 
 import pytest
 
-from ctxrelay.bench import heterofold as jobs
 from ctxrelay.errors import UsageError
 from ctxrelay.models.tiny import tiny_tokenizer
+from ctxrelay_bench.heterofold import bench as jobs
 
 
 def test_directions_and_options():
@@ -57,8 +57,8 @@ def _bench_doc(dirs, methods, cases, sha):
 
 
 def test_bench_resumes_only_receivers_a_run_finished_with_the_same_artifacts(tmp_path, monkeypatch):
-    from ctxrelay.bench.heterofold_report import reusable_rows
-    from ctxrelay.bench.results import write_results
+    from ctxrelay.results import write_results
+    from ctxrelay_bench.heterofold.report import reusable_rows
 
     monkeypatch.setenv("CTXRELAY_RESULTS_DIR", str(tmp_path))
     dirs = [("a", "b"), ("c", "b"), ("a", "c")]
@@ -84,7 +84,7 @@ def test_bench_resumes_only_receivers_a_run_finished_with_the_same_artifacts(tmp
 
 
 def test_summary_pools_lengths_per_direction_method_and_dataset():
-    from ctxrelay.bench.heterofold_report import summarize
+    from ctxrelay_bench.heterofold.report import summarize
 
     def row(length, ppl, native, speedup=None):
         r = {"transport": "heterofold", "sender": "a", "receiver": "b", "method": "heterofold", "dataset": "essays",

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from conftest import SAMPLE_TEXT
-from ctxrelay.bench.heterofold_limits import VARIANTS, limits, mix, translated_cache
 from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state
-from ctxrelay.transports.heterofold import identity_artifact, quality
+from ctxrelay.transports.heterofold import identity_artifact
+from ctxrelay.transports.heterofold.calibration import heldout as quality
+from ctxrelay_bench.heterofold_limits.bench import VARIANTS, limits, mix, translated_cache
 
 
 def test_self_transfer_with_identity_maps_leaves_nothing_to_explain(tiny):

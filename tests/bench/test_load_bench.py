@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ctxrelay.bench import load
+from ctxrelay_bench.load import bench as load
 
 
 def test_percentile_interpolates_between_order_statistics():

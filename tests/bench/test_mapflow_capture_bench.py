@@ -6,12 +6,13 @@ from types import SimpleNamespace
 import torch
 
 from conftest import SAMPLE_TEXT
-from ctxrelay.bench import mapflow_capture, mapflow_gpu
-from ctxrelay.bench.mapflow_ops import guided_operator_times
 from ctxrelay.models.capture import capture_state
 from ctxrelay.transports import mapflow
 from ctxrelay.transports.mapflow.mixing import identity_w
 from ctxrelay.transports.mapflow.reuse import ReuseConfig
+from ctxrelay_bench.mapflow_capture import bench as mapflow_capture
+from ctxrelay_bench.mapflow_capture.operators import guided_operator_times
+from ctxrelay_bench.mapflow_gpu import bench as mapflow_gpu
 
 BLOCK = 16
 
@@ -53,7 +54,7 @@ def test_gpu_check_skips_cleanly_without_cuda(tmp_path, monkeypatch):
 
 
 def test_runs_add_to_one_results_file(tmp_path, monkeypatch):
-    from ctxrelay.bench.results import write_results
+    from ctxrelay.results import write_results
 
     monkeypatch.setenv("CTXRELAY_RESULTS_DIR", str(tmp_path))
     first = [

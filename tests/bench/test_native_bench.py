@@ -4,11 +4,11 @@ import statistics
 import pytest
 import torch
 
-from ctxrelay.bench import native as native_jobs
 from ctxrelay.data.datasets import essay_haystack
 from ctxrelay.errors import UsageError
 from ctxrelay.metrics import perplexity_at
 from ctxrelay.models import runner
+from ctxrelay_bench.native import bench as native_jobs
 
 
 def test_bench_writes_results_for_tiny_models(tiny_by_family, tmp_path, monkeypatch):

@@ -5,9 +5,10 @@ import time
 import pytest
 import torch
 
-from ctxrelay.bench import results as R
-from ctxrelay.bench.plots import heatmap, line_plot, plot_path, scatter_plot
+from ctxrelay import results as R
 from ctxrelay.errors import UsageError
+from ctxrelay_bench import runs
+from ctxrelay_bench.plots import heatmap, line_plot, plot_path, scatter_plot
 
 
 def test_machine_facts():
@@ -47,11 +48,11 @@ def test_write_results_refuses_bad_rows(tmp_path, monkeypatch):
 
 
 def test_machine_busy_share():
-    busy = R.machine_busy(sample_s=0.2)
+    busy = runs.machine_busy(sample_s=0.2)
     assert busy is None or 0.0 <= busy <= 1.0
     # a threshold every share meets returns after one sample, however long it may wait
     t0 = time.monotonic()
-    busy = R.wait_until_quiet(threshold=1.0, max_wait_s=60, poll_s=0.1)
+    busy = runs.wait_until_quiet(threshold=1.0, max_wait_s=60, poll_s=0.1)
     assert busy is None or 0.0 <= busy <= 1.0
     assert time.monotonic() - t0 < 5
 

@@ -1,8 +1,8 @@
 """`ctxrelay bench router`: the transcript spans, the per-turn facts on a tiny model, and the simulation
 (prefix cache never slower than full re-prefill; a cheaper relay lowers TTFT only after the other model)."""
 
-from ctxrelay.bench import router
 from ctxrelay.relay.graph import CostModel
+from ctxrelay_bench.router import bench as router
 
 
 def _facts(n_conv=6, turns=3):

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from ctxrelay.bench import faults
 from ctxrelay.relay.store import (
     DiskStore,
     MemoryStore,
@@ -15,6 +14,7 @@ from ctxrelay.relay.store import (
     open_store,
 )
 from ctxrelay.state import BindingError, ContextState
+from ctxrelay_bench.reliability import faults
 from local_redis import start_redis
 
 

@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from ctxrelay.cli import bench_module
 
-from ctxrelay.bench import bench_module
-from ctxrelay.bench.reliability import TOTALS
+from ctxrelay_bench.reliability.bench import TOTALS
 
 
 def test_bench_writes_counted_totals(tmp_path, monkeypatch):

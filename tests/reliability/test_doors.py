@@ -2,9 +2,9 @@
 
 import pytest
 
-from ctxrelay.bench import reliability_doors as doors
 from ctxrelay.relay.api import ModelPool
 from ctxrelay.relay.graph import Profile
+from ctxrelay_bench.reliability import interfaces as doors
 
 
 def test_python_api_refuses_bad_input_by_name(tiny_by_family, tmp_path):

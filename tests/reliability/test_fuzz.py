@@ -3,7 +3,7 @@ never a crash or a partly used state (bench/fuzz.py; `ctxrelay bench reliability
 
 import pytest
 
-from ctxrelay.bench import fuzz
+from ctxrelay_bench.reliability import fuzz
 
 CASES = 250
 pytestmark = pytest.mark.usefixtures("own_cache")

@@ -6,9 +6,9 @@ import logging
 import os
 
 from ctxrelay import zoo
-from ctxrelay.bench import reliability_doors as doors
 from ctxrelay.models.spec import hash_state_dict
 from ctxrelay.models.tiny import tiny_model
+from ctxrelay_bench.reliability import interfaces as doors
 
 
 def test_a_swapped_checkpoint_is_refused_by_name(tiny_by_family, tmp_path, monkeypatch):

@@ -10,9 +10,9 @@ import torch
 
 from ctxrelay import seal, tensorfile
 from ctxrelay.artifact import Artifact
-from ctxrelay.bench.fuzz import edit_manifest, sample_artifact, sample_state
 from ctxrelay.relay.store import DiskStore, MemoryStore, StateKey, StoreUnavailable
 from ctxrelay.state import ContextState
+from ctxrelay_bench.reliability.fuzz import edit_manifest, sample_artifact, sample_state
 
 pytestmark = pytest.mark.usefixtures("own_cache")
 

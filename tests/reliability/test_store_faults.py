@@ -7,11 +7,11 @@ import logging
 
 import pytest
 
-from ctxrelay.bench import faults
-from ctxrelay.bench import reliability_store as rs
 from ctxrelay.relay.api import ModelPool
 from ctxrelay.relay.graph import Profile
 from ctxrelay.relay.store import DiskStore, StoreUnavailable
+from ctxrelay_bench.reliability import faults
+from ctxrelay_bench.reliability import store_checks as rs
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ no call reads another tenant's state."""
 
 import logging
 
-from ctxrelay.bench import reliability_store as rs
 from ctxrelay.relay.api import ModelPool
 from ctxrelay.relay.graph import Profile
+from ctxrelay_bench.reliability import store_checks as rs
 
 
 def test_no_cross_tenant_read_through_any_call(tiny_by_family, tmp_path):

@@ -1,15 +1,15 @@
 """A real server on loopback for the serve tests: uvicorn in a thread over a tiny two-model pool
-(ctxrelay.serve.testing, which the reliability bench shares)."""
+(ctxrelay_bench.harness, which the reliability bench shares)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ctxrelay.relay import ModelPool
-from ctxrelay.serve import testing
 from ctxrelay.serve.app import Settings
 from ctxrelay.serve.auth import load_keys
-from ctxrelay.serve.testing import free_port, relay_pool  # noqa: F401 - the serve tests import them from here
+from ctxrelay_bench import harness as testing
+from ctxrelay_bench.harness import free_port, relay_pool  # noqa: F401 - the serve tests import them from here
 
 KEYS = "k-acme:acme,k-globex:globex"
 # a chat template of the usual shape: writes BOS, refuses a conversation that starts with the assistant

@@ -3,7 +3,7 @@
 import pytest
 
 from ctxrelay.errors import UsageError
-from ctxrelay.transports.heterofold import calib_data
+from ctxrelay.transports.heterofold.calibration import job as calib_data
 
 
 def test_chunks_cut_at_boundaries_and_cover_the_text():

@@ -3,7 +3,8 @@ question inside the sender's context, or appended by the receiver), and the tabl
 
 from conftest import zero_artifact
 from ctxrelay.data.needle import CALIBRATION_NEEDLES, NEEDLES
-from ctxrelay.transports.heterofold.facts import calibrate_facts, fact_table, facts_at
+from ctxrelay.transports.heterofold.calibration.facts import calibrate_facts, fact_table
+from ctxrelay.transports.heterofold.points import facts_at
 
 
 def test_full_recompute_answers_as_native_in_both_layouts(tiny_by_family, tmp_path):

@@ -7,10 +7,11 @@ from ctxrelay.artifact import Artifact
 from ctxrelay.errors import BindingError
 from ctxrelay.models.capture import capture_state
 from ctxrelay.models.tiny import tiny_model
-from ctxrelay.transports.heterofold import calibrate, relay_prefill
-from ctxrelay.transports.heterofold.maps import AffineMap, FoldMaps
-from ctxrelay.transports.heterofold.recolor import Moments, fit_recolor, fit_ridge
-from ctxrelay.transports.heterofold.train import Corrections
+from ctxrelay.transports.heterofold import relay_prefill
+from ctxrelay.transports.heterofold.calibration.fit import calibrate
+from ctxrelay.transports.heterofold.calibration.recolor import Moments, fit_recolor, fit_ridge
+from ctxrelay.transports.heterofold.calibration.train import Corrections
+from ctxrelay.transports.heterofold.kv_maps import AffineMap, FoldMaps
 
 TEXTS = [
     "Startups are companies designed to grow fast. Being newly founded does not in itself make a company a "
@@ -153,7 +154,7 @@ def test_output_pca_truncation_is_optimal_for_the_data():
 
 
 def test_end_to_end_stage_resumed_after_an_epoch_matches_an_uninterrupted_run(cache, tiny_by_family):
-    from ctxrelay.transports.heterofold.calibrate import work_dir
+    from ctxrelay.transports.heterofold.calibration.fit import work_dir
 
     sender, receiver = tiny_by_family["qwen2"], tiny_by_family["llama"]
     opts = {"method": "heterofold", "epochs": 1, "heldout_suffix": 40, "query_rows": 16, "val_every": 4,
@@ -170,7 +171,7 @@ def test_end_to_end_stage_resumed_after_an_epoch_matches_an_uninterrupted_run(ca
 
 def test_a_cached_heldout_item_is_the_item_it_stored_and_a_damaged_one_is_made_again(tiny_by_family, tmp_path):
     from conftest import SAMPLE_TEXT
-    from ctxrelay.transports.heterofold import quality
+    from ctxrelay.transports.heterofold.calibration import heldout as quality
 
     sender, receiver = tiny_by_family["llama"], tiny_by_family["qwen2"]
     text = SAMPLE_TEXT * 2

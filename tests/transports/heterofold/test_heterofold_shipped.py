@@ -72,7 +72,8 @@ def test_shipped_artifact_carries_the_context_qwen15_to_smollm2():
     from ctxrelay.models import runner
     from ctxrelay.models.capture import capture_state
     from ctxrelay.models.tokens import suffix_ids, tokenize_context
-    from ctxrelay.transports.heterofold import quality, relay_prefill
+    from ctxrelay.transports.heterofold import relay_prefill
+    from ctxrelay.transports.heterofold.calibration import heldout as quality
 
     sender_name, receiver_name = SHIPPED[0]
     _zoo_manifest(sender_name)

@@ -9,7 +9,8 @@ from ctxrelay.errors import UsageError
 from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state
 from ctxrelay.models.tokens import context_ids, suffix_ids, tokenize_context
-from ctxrelay.transports.heterofold import calib_data, relay_prefill
+from ctxrelay.transports.heterofold import relay_prefill
+from ctxrelay.transports.heterofold.calibration import job as calib_data
 from ctxrelay.transports.heterofold.transfer import assemble_cache
 
 TOL = 1e-4

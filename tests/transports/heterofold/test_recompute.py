@@ -162,7 +162,7 @@ def test_bad_recompute_options_are_clear(tiny_by_family):
 
 def test_recompute_stage_measures_each_fraction_and_fits_an_estimate(tiny_by_family):
     from ctxrelay.transports.heterofold import transport
-    from ctxrelay.transports.heterofold.faithful import calibrate_recompute, fit_estimate
+    from ctxrelay.transports.heterofold.calibration.fractions import calibrate_recompute, fit_estimate
     from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate
 
     sender, receiver = tiny_by_family["llama"], tiny_by_family["gemma3"]
@@ -249,7 +249,7 @@ def test_copy_sources_follow_the_text_the_ending_repeats_word_for_word():
 def test_the_estimate_is_centred_per_calibrated_length():
     """Where mean top-1 falls with length and the signal does not, centres from one length would rank a
     mix of lengths by length; per-length centres rank requests by their signal within their length."""
-    from ctxrelay.transports.heterofold.faithful import fit_estimate
+    from ctxrelay.transports.heterofold.calibration.fractions import fit_estimate
     from ctxrelay.transports.heterofold.recompute import calibrated_estimates, estimate
 
     gen = torch.Generator().manual_seed(0)
@@ -278,7 +278,7 @@ def test_the_estimate_is_centred_per_calibrated_length():
 
 def test_a_signal_that_barely_varies_is_never_the_estimate():
     """exact_share with a shared tokenizer is 1 - 1/n: a ranking by token count, not by quality."""
-    from ctxrelay.transports.heterofold.faithful import fit_estimate
+    from ctxrelay.transports.heterofold.calibration.fractions import fit_estimate
 
     rows = [{"f": 0.3, "top1_agreement": 0.8 + 0.01 * i, "exact_share": 1 - 1 / (2040 + i),
              "tail_nll": 3.0 - 0.05 * i + 0.2 * (i % 3)} for i in range(8)]  # fmt: skip
@@ -313,7 +313,7 @@ def test_hiding_translated_entries_from_the_question(tiny_by_family, s, r):
 
 def test_a_stage_measured_with_hidden_translations_serves_its_points_with_them(tiny_by_family):
     from ctxrelay.transports.heterofold import transport
-    from ctxrelay.transports.heterofold.faithful import calibrate_recompute
+    from ctxrelay.transports.heterofold.calibration.fractions import calibrate_recompute
 
     sender, receiver = tiny_by_family["llama"], tiny_by_family["qwen2"]
     art = zero_artifact(sender, receiver)
@@ -333,7 +333,7 @@ def test_a_stage_measured_with_hidden_translations_serves_its_points_with_them(t
 def test_the_gate_trusts_an_estimate_by_the_texts_left_out_of_its_fit():
     """A signal that follows top-1 ranks texts left out of its fit about as well as those in it; noise
     picked as the best of six signals fits its own texts but ranks left-out ones near zero."""
-    from ctxrelay.transports.heterofold.faithful import fit_estimate
+    from ctxrelay.transports.heterofold.calibration.fractions import fit_estimate
     from ctxrelay.transports.heterofold.recompute import SIGNALS, trusts
 
     gen = torch.Generator().manual_seed(1)
@@ -387,7 +387,7 @@ def test_the_hiding_gap_is_the_first_rows_distance_between_two_relays(tiny_by_fa
 def test_the_estimate_is_centred_per_hiding():
     """The same f hiding 12 layers and hiding none are two operating points with their own mean top-1:
     a request is judged against the centres of its own hiding."""
-    from ctxrelay.transports.heterofold.faithful import fit_estimate
+    from ctxrelay.transports.heterofold.calibration.fractions import fit_estimate
     from ctxrelay.transports.heterofold.recompute import estimate
 
     rows = []
@@ -408,7 +408,7 @@ def test_the_estimate_is_fitted_and_trusted_per_setting():
     """Where one setting's signal ranks its texts and another's does not, each setting gets its own
     estimate (signal, line, left-out Spearman): the gate acts on the one that ranks, never on the other,
     and a request is judged by its own hiding's estimate at the nearest calibrated length."""
-    from ctxrelay.transports.heterofold.faithful import estimate_entry
+    from ctxrelay.transports.heterofold.calibration.fractions import estimate_entry
     from ctxrelay.transports.heterofold.recompute import calibrated_estimates, estimate, estimate_model, trusts
 
     gen = torch.Generator().manual_seed(2)

@@ -11,8 +11,8 @@ from ctxrelay.models.tiny import tiny_model
 from ctxrelay.models.tokens import tokenize_context
 from ctxrelay.state import ContextState
 from ctxrelay.transports import mapflow
-from ctxrelay.transports.mapflow import diagnose
-from ctxrelay.transports.mapflow.calibration import CalibOptions, Refused
+from ctxrelay.transports.mapflow.calibration import diagnose
+from ctxrelay.transports.mapflow.calibration.fit import CalibOptions, Refused
 from ctxrelay.transports.mapflow.sparse import MapsError
 
 OPTS = dict(
@@ -142,7 +142,7 @@ def test_unknown_option_is_a_clear_error():
 
 
 def test_bench_variants_all_run_through_relay_prefill(artifact, pair):
-    from ctxrelay.bench import mapflow as mapflow_bench
+    from ctxrelay_bench.mapflow import bench as mapflow_bench
 
     art, _ = artifact
     sender, receiver = pair
@@ -159,7 +159,7 @@ def test_bench_variants_all_run_through_relay_prefill(artifact, pair):
 
 
 def test_operator_times_cover_every_operator(artifact, pair):
-    from ctxrelay.bench import mapflow as mapflow_bench
+    from ctxrelay_bench.mapflow import bench as mapflow_bench
 
     art, _ = artifact
     sender, receiver = pair
@@ -173,7 +173,7 @@ def test_operator_times_cover_every_operator(artifact, pair):
 
 
 def test_mode_choice_upgrades_then_replaces_greedily():
-    from ctxrelay.transports.mapflow.modes import choose_modes
+    from ctxrelay.transports.mapflow.calibration.modes import choose_modes
 
     cost = {"replace": 0.06, "guided": 0.03, "hybrid": 0.01, "native": 0.0}  # top-1 lost per layer in each mode
 
@@ -193,7 +193,7 @@ def test_bench_end_to_end_on_tiny_models(artifact, pair, tmp_path, monkeypatch):
     import json
 
     from ctxrelay import zoo
-    from ctxrelay.bench import mapflow as mapflow_bench
+    from ctxrelay_bench.mapflow import bench as mapflow_bench
 
     art, path = artifact
     sender, receiver = pair
@@ -218,7 +218,7 @@ def test_bench_end_to_end_on_tiny_models(artifact, pair, tmp_path, monkeypatch):
 
 
 def test_bench_capture_is_the_one_every_variant_can_read(artifact, pair):
-    from ctxrelay.bench import mapflow as mapflow_bench
+    from ctxrelay_bench.mapflow import bench as mapflow_bench
 
     art, _ = artifact
     vs = mapflow_bench.variants(art, pair[1], mapflow_bench._options({"p_list": "0.9", "methods": "flex"}))
@@ -233,7 +233,7 @@ def test_bench_capture_is_the_one_every_variant_can_read(artifact, pair):
 
 
 def test_mode_choice_follows_measured_costs():
-    from ctxrelay.transports.mapflow.modes import choose_modes
+    from ctxrelay.transports.mapflow.calibration.modes import choose_modes
 
     loss = {"replace": 0.0, "guided": 0.03, "hybrid": 0.01, "native": 0.0}
 
@@ -259,7 +259,7 @@ def test_mode_choice_follows_measured_costs():
 
 def test_bench_makes_a_guided_artifacts_native_layers_sparse_too(artifact, pair):
     from ctxrelay.artifact import Artifact
-    from ctxrelay.bench import mapflow as mapflow_bench
+    from ctxrelay_bench.mapflow import bench as mapflow_bench
 
     art, _ = artifact
     r0 = int(art.params.get("reuse_from", 0))

@@ -10,8 +10,8 @@ from ctxrelay.models.capture import capture_state
 from ctxrelay.models.tokens import tokenize_context
 from ctxrelay.transports import mapflow
 from ctxrelay.transports.mapflow import guided, reuse
-from ctxrelay.transports.mapflow.estimate import SampledMapCapture, sample_rows, sampled_block_mass
 from ctxrelay.transports.mapflow.mixing import identity_w
+from ctxrelay.transports.mapflow.sampled_capture import SampledMapCapture, sample_rows, sampled_block_mass
 from ctxrelay.transports.mapflow.sparse import MapsError, maps_from_tensors
 
 BLOCK = 16

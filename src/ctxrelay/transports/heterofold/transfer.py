@@ -26,7 +26,7 @@ from ctxrelay.timing import Stopwatch
 from ctxrelay.transports.base import RelayOutput, check_edge
 from ctxrelay.transports.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
 from ctxrelay.transports.heterofold.hiding import hidden_layers, hide_code, hiding_gap
-from ctxrelay.transports.heterofold.maps import FoldMaps, translate
+from ctxrelay.transports.heterofold.kv_maps import FoldMaps, translate
 from ctxrelay.transports.heterofold.recompute import (
     SIGNALS,
     TAIL,

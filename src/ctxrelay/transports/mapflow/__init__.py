@@ -21,7 +21,7 @@ from ctxrelay.errors import UsageError
 from ctxrelay.models.capture import CapturePlan
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.transports.base import Transport
-from ctxrelay.transports.mapflow.estimate import SampledMapCapture
+from ctxrelay.transports.mapflow.sampled_capture import SampledMapCapture
 from ctxrelay.transports.mapflow.sparse import SOURCES, MapCapture, MapsError
 
 TRANSPORT = "mapflow"
@@ -116,7 +116,7 @@ def relay_prefill(receiver: LoadedModel, state, artifact, suffix_ids: torch.Tens
 
 def calibrate(sender, receiver, texts_train, texts_heldout, options=None, command="", out=None, resume=True, log=print):
     """Calibrate the pair (see calibration.py) and return its Artifact (saved to `out` when given)."""
-    from ctxrelay.transports.mapflow import calibration
+    from ctxrelay.transports.mapflow.calibration import fit as calibration
 
     return calibration.calibrate(sender, receiver, texts_train, texts_heldout, options or {}, command, out, resume, log)
 
@@ -148,7 +148,7 @@ class Mapflow(Transport):
         return relay_prefill(receiver, state, artifact, suffix_ids)
 
     def calibrate(self, sender: str, receiver: str, *, out, resume, options, command) -> Path:
-        from ctxrelay.transports.mapflow.calib_data import calibrate_job
+        from ctxrelay.transports.mapflow.calibration.job import calibrate_job
 
         return calibrate_job(sender, receiver, out=out, resume=resume, options=options, command=command)
 

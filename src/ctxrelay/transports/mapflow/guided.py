@@ -27,7 +27,7 @@ import torch
 
 from ctxrelay.models.attention import AttnCall, attention_logits, expand_kv, visibility_mask
 from ctxrelay.timing import Stopwatch
-from ctxrelay.transports.mapflow.sparse import BlockMaps, _select
+from ctxrelay.transports.mapflow.sparse import BlockMaps, select_blocks
 
 Unit = Literal["head", "group"]
 Select = Literal["row", "global"]
@@ -105,7 +105,7 @@ def sender_block_mass(bm: BlockMaps, top_p: float = 1.0) -> torch.Tensor:
     nb = bm.num_row_blocks
     mass = torch.zeros(bm.heads, nb, nb)
     mass[hd, qb, kb] = bm.mass.float()
-    return mass if top_p >= 1.0 else mass * _select(mass, top_p, total=1.0)
+    return mass if top_p >= 1.0 else mass * select_blocks(mass, top_p, total=1.0)
 
 
 def guided_pattern(
@@ -132,9 +132,9 @@ def guided_pattern(
     if unit == "group":
         mixed = mixed.view(kv_heads, per, *mixed.shape[1:]).mean(1)
     if select == "global":
-        keep = _select(mixed.reshape(mixed.shape[0], -1), guided_p).view_as(mixed)
+        keep = select_blocks(mixed.reshape(mixed.shape[0], -1), guided_p).view_as(mixed)
     else:
-        keep = _select(mixed, guided_p)
+        keep = select_blocks(mixed, guided_p)
     return pattern_from_mask(keep, per, bm.block, local)
 
 
@@ -150,7 +150,7 @@ def flex_pattern(c: AttnCall, block: int, top_p: float, unit: Unit = "group", lo
     per = hr // hkv if unit == "group" else 1
     if unit == "group":
         mass = mass.view(hkv, per, nb).mean(1)
-    keep = _select(mass, top_p)[:, None, :].expand(-1, nb, -1)
+    keep = select_blocks(mass, top_p)[:, None, :].expand(-1, nb, -1)
     return pattern_from_mask(keep, per, block, local)
 
 

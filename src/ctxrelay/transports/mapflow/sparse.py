@@ -98,7 +98,7 @@ class BlockMaps:
         return dense
 
 
-def _select(mass: torch.Tensor, top_p: float, total: float | None = None) -> torch.Tensor:
+def select_blocks(mass: torch.Tensor, top_p: float, total: float | None = None) -> torch.Tensor:
     """Boolean keep-mask [..., nkb]: the fewest blocks whose mass reaches top_p of the row's mass.
 
     `total` fixes the row mass (1.0 for a softmax row) so re-selecting an already compressed map,
@@ -136,7 +136,7 @@ class LayerCompressor:
             p = torch.nn.functional.pad(p, (0, nkb * b - width))
         blocks = p.view(h, rows, nkb, b)
         mass = blocks.sum(dim=(1, 3)) / rows  # [H, nkb], mean row mass of each tile
-        keep = _select(mass, self.top_p)
+        keep = select_blocks(mass, self.top_p)
         kb, hd = keep.t().nonzero(as_tuple=True)  # (key block, head) ascending = col ascending
         tiles = blocks.permute(2, 0, 1, 3)[kb, hd].to(self.dtype)  # [n, rows, B]
         if rows < b:
@@ -279,7 +279,7 @@ def reselect(bm: BlockMaps, top_p: float) -> BlockMaps:
     nb, h = bm.num_row_blocks, bm.heads
     dense_mass = torch.zeros(nb, h, nb)
     dense_mass[qb, hd, kb] = bm.mass
-    keep = _select(dense_mass, top_p, total=1.0)[qb, hd, kb]  # rows of the full map sum to 1
+    keep = select_blocks(dense_mass, top_p, total=1.0)[qb, hd, kb]  # rows of the full map sum to 1
     idx = keep.nonzero(as_tuple=True)[0]
     counts = torch.bincount(qb[idx], minlength=nb)
     crow = torch.zeros(nb + 1, dtype=torch.int32)

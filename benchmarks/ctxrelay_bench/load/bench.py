@@ -1,0 +1,253 @@
+"""`ctxrelay bench load`: the OpenAI server under concurrent clients, on loopback.
+
+Starts `ctxrelay serve` as a process of its own (the model(s) of --model, an API key set), waits for
+/healthz, then per concurrency level runs `requests` streaming chat completions through the official
+`openai` AsyncOpenAI client, at most `concurrency` in flight, bounded in time by `max_s` per level
+(what is still running then is cancelled and counted as unfinished). Every request asks about a
+different held-out essay excerpt of about `prompt_tokens` tokens, so no state is reused. TTFT: request
+sent -> first content chunk; latency: -> last chunk. Per level: requests, ok, 429s (the queue bound
+answering, a correct answer), failures (5xx, dropped connections, other errors), throughput (requests/s,
+completion chunks/s), P50/P90/P99 TTFT and latency, and whether the server's /metrics request counts
+equal the load tool's (by status, over the level). One compute lock serves all requests, so on
+this machine latency grows with concurrency while throughput stays at one model's rate: the test
+shows the server stays correct under load (no failed or dropped request, 429 only past the queue bound
+`max_queue`), not that it scales.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ctxrelay.errors import UsageError
+from ctxrelay.results import write_results
+from ctxrelay_bench.plots import cdf_step, save_figure
+from ctxrelay_bench.runs import bench_options
+
+OPTIONS = {"concurrency": "1,4,16", "requests": 32, "max_s": 300.0, "max_tokens": 16, "port": 8391, "warmup": 2,
+           "start_s": 300.0, "max_queue": 64}  # fmt: skip
+KEY = "load-test-key"
+QUESTION = "\n\nIn one sentence, what is this passage about?"
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between order statistics (numpy's default); None for no values."""
+    return float(np.percentile(xs, q)) if len(xs) else None
+
+
+def prompts(model: str, n: int, tokens: int) -> list[str]:
+    """`n` distinct held-out essay excerpts of `tokens` tokens of `model`'s tokenizer, with a question."""
+    from ctxrelay import zoo
+    from ctxrelay.data.datasets import essay_haystack
+
+    tok = zoo.tokenizer(model)
+    return [essay_haystack(tok, tokens, split="heldout", seed=i) + QUESTION for i in range(n)]
+
+
+def start_server(models: str, port: int, threads: int, wait_s: float, max_queue: int) -> subprocess.Popen:
+    env = {**os.environ, "CTXRELAY_API_KEYS": f"{KEY}:load"}
+    cmd = [sys.executable, "-m", "ctxrelay.cli", "serve", "--models", models, "--port", str(port),
+           "--threads", str(threads), "--max-queue", str(max_queue)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise UsageError(f"the server exited while starting: {proc.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise UsageError(f"the server did not answer /healthz within {wait_s:.0f} s")
+
+
+async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
+    import openai
+
+    t0 = time.perf_counter()
+    first = None
+    chunks = 0
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                chunks += 1
+                first = first or time.perf_counter()
+    except openai.RateLimitError:
+        return {"status": "429", "latency_s": time.perf_counter() - t0}
+    except openai.APIStatusError as e:
+        return {"status": f"http {e.status_code}", "latency_s": time.perf_counter() - t0}
+    except openai.APIConnectionError:
+        return {"status": "dropped", "latency_s": time.perf_counter() - t0}
+    end = time.perf_counter()
+    if first is None:
+        return {"status": "empty", "latency_s": end - t0}
+    return {"status": "ok", "ttft_s": first - t0, "latency_s": end - t0, "chunks": chunks}
+
+
+async def run_level(url: str, model: str, texts: list[str], concurrency: int, max_tokens: int, max_s: float):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=max_s)
+    gate = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=len(texts), desc=f"concurrency {concurrency}", unit="req")
+
+    async def limited(text: str) -> dict:
+        async with gate:
+            r = await one_request(client, model, text, max_tokens)
+            bar.update(1)
+            return r
+
+    tasks = [asyncio.create_task(limited(t)) for t in texts]
+    t0 = time.perf_counter()
+    done, pending = await asyncio.wait(tasks, timeout=max_s)
+    wall = time.perf_counter() - t0
+    for p in pending:
+        p.cancel()
+    bar.close()
+    await client.close()
+    return [t.result() for t in done], len(pending), wall
+
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+def served_counts(url: str) -> dict[str, int]:
+    """The server's own count of chat requests by HTTP status (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == "ctxrelay_requests_total" and smp.labels.get("path") == CHAT_PATH:
+                out[smp.labels["status"]] = int(smp.value)
+    return out
+
+
+def counts_match(tool: dict[str, int], before: dict[str, int], after: dict[str, int]) -> bool:
+    """Whether the server counted what the load tool saw: ok -> 200, 429 -> 429, nothing else either side."""
+    served = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    served = {k: v for k, v in served.items() if v}
+    want = {("200" if k == "ok" else k): v for k, v in tool.items() if v}
+    return served == want
+
+
+def summarize(results: list[dict], unfinished: int, wall: float, concurrency: int) -> dict:
+    ok = [r for r in results if r["status"] == "ok"]
+    statuses = sorted({r["status"] for r in results})
+    counts = {s: sum(1 for r in results if r["status"] == s) for s in statuses}
+    ttft = [r["ttft_s"] for r in ok]
+    lat = [r["latency_s"] for r in ok]
+    failed = sum(v for k, v in counts.items() if k not in ("ok", "429")) + unfinished
+    row = {"transport": "native", "method": "serve-load", "concurrency": concurrency,
+           "requests": len(results) + unfinished, "ok": len(ok), "rejected_429": counts.get("429", 0),
+           "failed": failed, "unfinished": unfinished, "statuses": counts, "wall_s": wall,
+           "requests_per_s": len(ok) / wall, "chunks_per_s": sum(r["chunks"] for r in ok) / wall}  # fmt: skip
+    for name, xs in (("ttft", ttft), ("latency", lat)):
+        for q in (50, 90, 99):
+            v = percentile(xs, q)
+            if v is not None:
+                row[f"{name}_p{q}_s"] = v
+    if ttft:
+        row["ttft_mean_s"] = statistics.mean(ttft)
+    return row
+
+
+def plot(rows: list[dict], samples: dict[int, list[float]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for c, xs in samples.items():
+        cdf_step(ax[0], xs, label=f"concurrency {c}")
+    ax[0].set(xlabel="TTFT (s)", ylabel="share of requests", title="TTFT CDF")
+    ax[0].legend()
+    cs = [r["concurrency"] for r in rows]
+    for q in (50, 90, 99):
+        ax[1].plot(cs, [r.get(f"ttft_p{q}_s") for r in rows], marker="o", label=f"P{q} TTFT")
+    ax[1].set(xlabel="concurrent clients", ylabel="seconds", xscale="log", title="TTFT by concurrency")
+    ax[1].set_xticks(cs, [str(c) for c in cs])
+    ax[1].legend()
+    return save_figure(fig, path)
+
+
+def bench(
+    model: str = "smollm2-135m",
+    sender: str = "",
+    receiver: str = "",
+    lengths: Sequence[int] = (512,),
+    repeats: int = 1,
+    out: str = "load",
+    options: dict | None = None,
+    command: str = "",
+) -> Path:
+    """Serve --model (first length = prompt tokens) and load it at each concurrency -> load.json + .png."""
+    try:
+        import openai  # noqa: F401  (the load tool)
+    except ImportError:
+        raise UsageError("bench load drives the server with the official openai client: pip install openai") from None
+    opts = bench_options("load", options, OPTIONS)
+    if sender or receiver:
+        raise UsageError("bench load serves --model (one zoo name or a comma list); not --sender/--receiver")
+    levels = [int(c) for c in str(opts["concurrency"]).split(",") if c]
+    n, tokens = int(opts["requests"]), int(list(lengths)[0]) if lengths else 512
+    if not levels or min(levels) < 1 or n < 1 or tokens < 16:
+        raise UsageError(f"need concurrency levels >= 1, requests >= 1 and a length >= 16 (got {opts}, {tokens})")
+    model = model or "smollm2-135m"
+    served = model.split(",")[0]
+    import torch
+
+    threads = torch.get_num_threads()  # the server runs with the threads this run was given
+    command = command or f"ctxrelay bench load --model {model} --lengths {tokens}"
+    texts = prompts(served, int(opts["warmup"]) + n * len(levels), tokens)
+    port = int(opts["port"])
+    proc = start_server(model, port, threads, float(opts["start_s"]), int(opts["max_queue"]))
+    url = f"http://127.0.0.1:{port}"
+    rows: list[dict] = []
+    samples: dict[int, list[float]] = {}
+    extra = {"options": opts, "prompt_tokens": tokens, "model": served, "server_threads": threads}
+    path = None
+    try:
+        w = int(opts["warmup"])
+        asyncio.run(run_level(url, served, texts[:w], 1, int(opts["max_tokens"]), float(opts["max_s"])))
+        for i, c in enumerate(levels):
+            batch = texts[w + i * n : w + (i + 1) * n]
+            before = served_counts(url)
+            res, pending, wall = asyncio.run(
+                run_level(url, served, batch, c, int(opts["max_tokens"]), float(opts["max_s"]))
+            )
+            row = summarize(res, pending, wall, c)
+            after = served_counts(url)
+            row["server_counts"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            row["server_counts_match"] = counts_match(row["statuses"], before, after)
+            rows.append(row)
+            samples[c] = [r["ttft_s"] for r in res if r["status"] == "ok"]
+            path = write_results(out, rows, command, extra)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if path is None:
+        raise UsageError("no concurrency level finished")
+    plot(rows, samples, path.with_suffix(".png"))
+    return path
