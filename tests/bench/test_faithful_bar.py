@@ -1,4 +1,4 @@
-"""Issue 11's bar on a gate-replay entry: what holds, what is missed and by how much."""
+"""The faithful relay's targets on a gate-replay entry: what holds, what is missed and by how much."""
 
 from ctxrelay_bench.heterofold_frontier.report import GATE_HEADS, gate_row
 from ctxrelay_bench.heterofold_frontier.targets import checks, verdict

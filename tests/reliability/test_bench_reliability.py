@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from ctxrelay.cli import bench_module
 
+from ctxrelay.cli import bench_module
 from ctxrelay_bench.reliability.bench import TOTALS
 
 

@@ -1,5 +1,6 @@
 """Every deserializer a user's file reaches, fed generated damage: a named error or the intact file,
-never a crash or a partly used state (bench/fuzz.py; `ctxrelay bench reliability` runs 1000+ each)."""
+never a crash or a partly used state (ctxrelay_bench/reliability/fuzz.py; `ctxrelay bench reliability` runs
+1000+ each)."""
 
 import pytest
 

@@ -1,6 +1,6 @@
 """`ctxrelay bench heterofold`: receiver TTFT vs native prefill and quality vs native, per direction,
 method and context length, on held-out essays and ShareGPT (calibration data and job: the transport's
-calib_data.py)."""
+calibration/job.py)."""
 
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ OPTIONS = {
     "hide": 0,  # hide_translated: the question and answer skip translated entries in the first k layers ("global")
     "warmup": 1,
     "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts
-    "seed": 0,  # case i draws its essay and fact from seed + i: seeds share cases (frontier_report.measured_before)
+    "seed": 0,  # case i draws its essay and fact from seed + i: seeds share cases (report.measured_before)
     "resume": True,
     "phase": "both",  # quality | timing | both (timing runs must have the machine to themselves) | report
     "redo": "",  # comma list of rules whose kept rows of this phase are measured again (the rule changed)

@@ -343,11 +343,11 @@ def _needles(x: dict) -> str:
 
 
 GATE_HEADS = ["direction", "tokens", "requests", "gate chose", "needles (native)", "essays top-1", "essays ppl x",
-              "sharegpt top-1", "sharegpt ppl x", "speedup", "issue 11's bar"]  # fmt: skip
+              "sharegpt top-1", "sharegpt ppl x", "speedup", "targets"]  # fmt: skip
 
 
 def gate_row(x: dict) -> list[str]:
-    """One gate-replay entry as a table row, ending with what issue 11's bar says of it."""
+    """One gate-replay entry as a table row, ending with what the faithful relay's targets say of it."""
     return [f"{x['sender']} -> {x['receiver']}", str(x["length"]), str(x["requests"]),
             ", ".join(f"{p} x{k}" for p, k in x["points"].items()), _needles(x), _cell(x.get("essays_top1")),
             _cell(x.get("essays_ppl128_ratio")), _cell(x.get("sharegpt_top1")), _cell(x.get("sharegpt_ppl128_ratio")),

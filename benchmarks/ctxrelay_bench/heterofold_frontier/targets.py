@@ -1,4 +1,4 @@
-"""Issue 11's bar for the faithful relay, checked on a frontier run's gate replay.
+"""The faithful relay's targets, checked on a frontier run's gate replay.
 
 Per direction and length, at the point the gate picks by default, over the same held-out requests:
 relayed needle accuracy >= native's - 0.125; TTFT >= 2x faster than native at 2048 tokens and >= 4x at

@@ -489,7 +489,7 @@ def plot(rows: list[dict], path: Path, sender: str, receiver: str) -> Path:
         grouped(rows, label, "speedup", "top1_agreement"),
         xlabel="TTFT speedup vs native receiver prefill (x)",
         ylabel="top-1 next-token agreement with native",
-        title=f"mapflow {sender} -> {receiver}",  # dashed: native speed, issue 13's top-1 0.9
+        title=f"mapflow {sender} -> {receiver}",  # dashed: native speed, the target top-1 0.9
         hline=0.9,
         vline=1.0,
     )

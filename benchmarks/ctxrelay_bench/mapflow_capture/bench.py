@@ -14,7 +14,7 @@ Phases (`--set phases=overhead,quality,operators`):
              artifact from each: top-1 agreement and KL vs native over the teacher-forced continuation,
              needle answers (the scoring of `bench mapflow`)
   operators  per length, every guided layer of the artifact on the first context's maps, exact and
-             sampled: its guided sparse attention vs SDPA at the same kept-block fraction (mapflow_ops.py)
+             sampled: its guided sparse attention vs SDPA at the same kept-block fraction (operators.py)
 
 Phases may run apart (timing needs the machine alone, quality does not): a run replaces the rows
 of the same (phase, length, source) in the results file already there and keeps the others;

@@ -1,8 +1,8 @@
 """`ctxrelay bench reliability`: fuzzed files, injected faults, crash safety, tenant isolation and bad
 input at every door, on tiny models; writes benchmarks/results/reliability.json.
 
-Every number in the file is counted while the cases run (bench/fuzz.py, reliability_store.py,
-reliability_doors.py); the bar (issue 14) is checked from them and written beside them.
+Every number in the file is counted while the cases run (fuzz.py, store_checks.py,
+interfaces.py); the targets are checked from them and written beside them.
 """
 
 from __future__ import annotations

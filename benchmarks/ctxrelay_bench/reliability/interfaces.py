@@ -1,6 +1,6 @@
 """Reliability at the doors: bad input through the Python API, the CLI and HTTP; API keys; concurrent
 turns of one conversation and a burst past the queue bound; a model checkpoint swapped under its
-artifact. Each function returns one category's `Count` (reliability_store.Count).
+artifact. Each function returns one category's `Count` (store_checks.Count).
 
 A correct answer to bad input is a named error (Python: a CtxrelayError; CLI: exit status 1 or 2
 and one `error:` line, no traceback; HTTP: the expected 4xx with a message). Over HTTP a request

@@ -36,7 +36,7 @@ MIN_SPEEDUP = 1.10  # predicted native / relay TTFT an edge must reach to be cho
 # Default quality threshold: calibrated (and per-request estimated) top-1 agreement with the
 # receiver's own native prefill. A relay that changes the answer is worse than no relay; 0 is an
 # explicit opt-in to gist-only speed. 0.85, not 0.9: on our pairs the recompute fractions that keep
-# heterofold several times faster than native measure 0.86-0.88 (docs/results.md, faithful relay).
+# heterofold several times faster than native measure 0.86-0.88 (docs/notebook.md, faithful relay).
 # Where a point also records fact recall (the share of calibration questions answered right natively
 # that it answers right too), that must meet the same threshold: top-1 agreement alone passed relays
 # into smollm2 that lost every needle fact.

@@ -1,4 +1,4 @@
-"""Transports: how a receiver gets the shared context from a sender's state (DESIGN.md section 1).
+"""Transports: how a receiver gets the shared context from a sender's state.
 
 The contract and the registry are in base.py; each transport is one module or package here:
 self_kv (a model continuing from its own K/V), mapflow (attention-map reuse), heterofold

@@ -90,7 +90,7 @@ def hiding_gap(m: LoadedModel, cache: KVCache, first_id: torch.Tensor, served: t
     answer leans on what the translated entries say moves when they are hidden. Measured: a probe
     (scripts/hide_gap_probe.py, smollm2 -> gemma3 at 2048, f = 0.2 hiding 12, 18 texts) ranked per-text
     top-1 agreement at Spearman -0.91, but the recompute stage's 24 texts per f at the same point at -0.45,
-    and at f = 0.12 at +0.19 (docs/results.md): a candidate like the others, not a trusted estimate. Cost:
+    and at f = 0.12 at +0.19 (docs/notebook.md): a candidate like the others, not a trusted estimate. Cost:
     one one-token pass over the receiver's weights and two LM-head rows; the cache (entries, length,
     hiding) is left as it was."""
     t = translated.numel()

@@ -1,13 +1,13 @@
-"""mapflow: attention-map reuse between models that share a tokenizer (DESIGN.md section 1a).
+"""mapflow: attention-map reuse between models that share a tokenizer (docs/mapflow.md).
 
 `transport` is what the registry serves:
   capture_plan   the sender's prefill leaves the state part "maps": by default (edges whose layers
                  are guided or hybrid) a pattern estimated from sampled query rows beside fused
-                 SDPA (estimate.py, capture "sampled"); where a layer replaces its attention, the
+                 SDPA (sampled_capture.py, capture "sampled"); where a layer replaces its attention, the
                  exact block top-p compressor of every row's probabilities (make_map_capture,
                  capture "exact", eager attention on the sender)
   relay_prefill  the receiver's reuse path (reuse.py) over those maps, then the suffix natively
-  calibrate      `ctxrelay calibrate --transport mapflow` (data choice in calib_data.py)
+  calibrate      `ctxrelay calibrate --transport mapflow` (calibration/: data choice in job.py)
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def relay_prefill(receiver: LoadedModel, state, artifact, suffix_ids: torch.Tens
 
 
 def calibrate(sender, receiver, texts_train, texts_heldout, options=None, command="", out=None, resume=True, log=print):
-    """Calibrate the pair (see calibration.py) and return its Artifact (saved to `out` when given)."""
+    """Calibrate the pair (see calibration/fit.py) and return its Artifact (saved to `out` when given)."""
     from ctxrelay.transports.mapflow.calibration import fit as calibration
 
     return calibration.calibrate(sender, receiver, texts_train, texts_heldout, options or {}, command, out, resume, log)

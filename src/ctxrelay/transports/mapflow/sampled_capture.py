@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ctxrelay.models.attention import AttnCall, positions_mask
-from ctxrelay.transports.mapflow.sparse import BlockMaps, MapsError, select_blocks, maps_meta, maps_to_tensors
+from ctxrelay.transports.mapflow.sparse import BlockMaps, MapsError, maps_meta, maps_to_tensors, select_blocks
 
 SOURCE = "sampled"
 

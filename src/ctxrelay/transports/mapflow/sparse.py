@@ -13,7 +13,7 @@ top-p. Kept tiles are stored raw (not renormalised) in block-sparse rows (BSR):
 Keeping tiles raw lets a map captured at p be re-selected at any lower p exactly (`reselect`),
 and lets the operator renormalise after the product instead of rewriting tiles.
 
-A pattern-only map (estimate.py: block masses estimated from sampled query rows beside fused
+A pattern-only map (sampled_capture.py: block masses estimated from sampled query rows beside fused
 SDPA) has the same crow / col / mass / row_mass but no tiles ([0, B, B]); meta "source" says which
 (SOURCES). Guided and hybrid modes read only the pattern and masses; replace mode needs tiles.
 """

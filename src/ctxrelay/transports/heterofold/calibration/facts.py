@@ -1,6 +1,6 @@
 """The faithful mode's fact-recall stage: does the relay keep the facts the receiver would answer?
 
-Top-1 agreement over a continuation (faithful.py) measures the gist; a needle answer depends on a few
+Top-1 agreement over a continuation (fractions.py) measures the gist; a needle answer depends on a few
 tokens of one sentence, and a relay can agree on 86% of next tokens yet lose the fact (measured: into
 smollm2-135m, mix at f = 0.2 passes top-1 0.85 and answers 0 of 8 held-out needles that native
 answers 3 of). So the gate also needs, per operating point, how often the relayed receiver answers a
@@ -15,7 +15,7 @@ artifact records
   quality["facts"]: [{"f", "selection", "tokens", "hide_translated", "cases", "native_right", "kept",
                       "fact_recall"}]
 with fact_recall = kept / native_right (None where native answered none). Runs at other lengths or with
-other hiding add entries beside these (calib_data._add_facts_stage); the gate reads the entry of each
+other hiding add entries beside these (job.py, the facts stage); the gate reads the entry of each
 point's own hiding at the length nearest the request (points.facts_at).
 """
 

@@ -2,7 +2,7 @@
 
 Calibration texts (prompts only, no answers): chunks of the training essays and of training-split
 ShareGPT conversations; held-out: chunks of the held-out essays and held-out conversations.
-The fitting itself (calibrate.py) never loads data: it gets the texts from here.
+The fitting itself (fit.py) never loads data: it gets the texts from here.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Calibration texts: training essays (continuations), training-split ShareGPT conv
 essay needle QA (context with a fact, then question + answer as the appended span) at the short
 training length; longer essay haystacks and needle QA at the evaluation length for the mode choice;
 held-out: essay haystacks and needle QA from the held-out essays at the evaluation length.
-The fitting (calibration.py) never loads data: it gets the texts from here.
+The fitting (fit.py) never loads data: it gets the texts from here.
 """
 
 from __future__ import annotations
