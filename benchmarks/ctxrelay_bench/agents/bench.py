@@ -39,12 +39,27 @@ from ctxrelay.paths import repo_root, results_path
 from ctxrelay.relay.api import ModelPool, RelayResult
 from ctxrelay.results import git_commit, machine_facts, write_results
 from ctxrelay.serve.chat import render, transcript
+from ctxrelay.transports.base import keys_from
 from ctxrelay_bench.plots import plot_path, save_figure
 from ctxrelay_bench.runs import bench_options
 
 OPTIONS = {"planner": "qwen2.5-coder-1.5b", "executor": "qwen2.5-coder-0.5b", "checkers": "smollm2-135m,gemma3-270m",
            "plan_tokens": 48, "answer_tokens": 32, "check_tokens": 32, "thresholds": "0.85,0.75",
            "tenant": "agents"}  # fmt: skip
+# `ctxrelay bench agents --keys`: each `--set` key, its default and meaning
+TUNING_KEYS = keys_from(
+    OPTIONS,
+    {
+        "planner": "the model that reads the document first and writes the plan",
+        "executor": "the model that answers from the planner's state",
+        "checkers": "models that check the answer (comma list)",
+        "plan_tokens": "tokens the planner generates",
+        "answer_tokens": "tokens the executor generates",
+        "check_tokens": "tokens each checker generates",
+        "thresholds": "the gate's quality thresholds compared (comma list)",
+        "tenant": "the store tenant the agents' states live under",
+    },
+)
 DEPTHS = (0.2, 0.5, 0.8)
 PLANNER_TURN = (
     "You are the planner in a team of agents that share the document above. Question: {question}\n"

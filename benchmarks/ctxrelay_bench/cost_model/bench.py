@@ -24,6 +24,7 @@ from ctxrelay.models.spec import LoadedModel
 from ctxrelay.relay.api import ModelPool
 from ctxrelay.relay.profile import edge_models, measure_native, measure_point
 from ctxrelay.results import read_results, write_results
+from ctxrelay.transports.base import keys_from
 from ctxrelay_bench.plots import plot_path, save_figure
 from ctxrelay_bench.runs import bench_options
 
@@ -32,6 +33,15 @@ OPTIONS = {
     "tolerance": 0.15,
     "measured": "",  # an earlier run's results: judge its measurements again with the installed profile (no timing)
 }
+# `ctxrelay bench cost-model --keys`: each `--set` key, its default and meaning
+TUNING_KEYS = keys_from(
+    OPTIONS,
+    {
+        "models": "the models whose native prefill and edges are timed (comma list)",
+        "tolerance": "largest relative error of a prediction counted as within tolerance",
+        "measured": "an earlier run's results: judge its measurements again with the installed profile (no timing)",
+    },
+)
 WINDOW_MARGIN = 64  # probe suffix + a few tokens of tokenizer drift between the text's models
 
 

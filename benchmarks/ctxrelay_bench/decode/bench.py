@@ -22,11 +22,21 @@ from ctxrelay.models import runner
 from ctxrelay.models.runner import KVCache
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.results import write_results
+from ctxrelay.transports.base import keys_from
 from ctxrelay_bench.native.bench import essay_ids, model_names
 from ctxrelay_bench.plots import line_plot, plot_path
 from ctxrelay_bench.runs import bench_options, timed_run
 
 OPTIONS = {"new_tokens": 128, "warmup": 1, "seed": 0}
+# `ctxrelay bench decode --keys`: each `--set` key, its default and meaning
+TUNING_KEYS = keys_from(
+    OPTIONS,
+    {
+        "new_tokens": "tokens decoded per timed run",
+        "warmup": "untimed decodes of each cache kind first",
+        "seed": "which held-out essay the context is cut from",
+    },
+)
 
 
 class ConcatCache(KVCache):

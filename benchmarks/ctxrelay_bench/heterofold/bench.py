@@ -21,6 +21,7 @@ from ctxrelay.errors import UsageError
 from ctxrelay.metrics import compare
 from ctxrelay.results import write_results
 from ctxrelay.timing import median_time
+from ctxrelay.transports.base import TuningKey
 from ctxrelay.transports.heterofold.calibration.job import calibrate_job, find_artifact
 from ctxrelay_bench.heterofold.report import file_sha, plot, reusable_rows, summarize
 from ctxrelay_bench.sender_states import cached_sender_states
@@ -29,18 +30,19 @@ DEMO_DIRECTIONS = (("qwen2.5-coder-1.5b", "smollm2-135m"), ("qwen2.5-coder-1.5b"
 FAMILY_MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
 ALL_DIRECTIONS = tuple((s, r) for s in FAMILY_MODELS for r in FAMILY_MODELS if s != r) + DEMO_DIRECTIONS
 
-# bench options (`--set key=value`)
-BENCH_DEFAULTS = {
-    "methods": "same-index,ridge+ta,recolor+ta,heterofold",
-    "datasets": "essays,sharegpt",
-    "continuation": 513,  # teacher-forced continuation tokens (ppl@512 needs 513)
-    "answer_tokens": 16,  # greedy needle-answer tokens (answers run to ~8 tokens; the first line is scored)
-    "warmup": 1,
-    "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts (shared by all pairs)
-    "calibrate_missing": True,  # calibrate a direction/method whose artifact is missing
-    "resume": True,  # keep the rows of receivers an earlier run finished (same cases, artifacts, machine)
-    "seed": 0,
-}
+# `--set` keys (`ctxrelay bench NAME --keys` prints them): name, default, meaning
+TUNING_KEYS = [
+    TuningKey("methods", "same-index,ridge+ta,recolor+ta,heterofold", "the calibration methods compared (comma list)"),
+    TuningKey("datasets", "essays,sharegpt", "case sources (comma list of essays, sharegpt)"),
+    TuningKey("continuation", 513, "teacher-forced continuation tokens (ppl@512 needs 513)"),
+    TuningKey("answer_tokens", 16, "greedy needle-answer tokens (answers run to ~8; the first line is scored)"),
+    TuningKey("warmup", 1, "untimed relays before the timed ones"),
+    TuningKey("ref_tokenizer", "qwen2.5-coder-0.5b", "contexts are cut at its token counts (shared by all pairs)"),
+    TuningKey("calibrate_missing", True, "calibrate a direction/method whose artifact is missing"),
+    TuningKey("resume", True, "keep the rows of receivers an earlier run finished (same cases, artifacts, machine)"),
+    TuningKey("seed", 0, "case seed"),
+]
+BENCH_DEFAULTS = {k.name: k.default for k in TUNING_KEYS}
 
 
 @dataclass

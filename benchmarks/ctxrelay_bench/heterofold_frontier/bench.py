@@ -40,6 +40,7 @@ from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP
 from ctxrelay.results import read_results, write_results
 from ctxrelay.state import ContextState
 from ctxrelay.timing import median_time
+from ctxrelay.transports.base import TuningKey
 from ctxrelay.transports.heterofold.calibration.text_cache import text_key
 from ctxrelay.transports.heterofold.hiding import hide_code
 from ctxrelay_bench.heterofold.bench import cut_at_tokens
@@ -64,25 +65,28 @@ DIRECTIONS = (
     ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"),
     ("gemma3-270m", "qwen2.5-coder-0.5b"),
 )
-OPTIONS = {
-    "rules": "deviation,lexical,embedding,recency,mix,adaptive",
-    "fractions": "0.05,0.1,0.2,0.3",
-    "exact_check": True,  # f = 1 on the first case of each length: must equal native
-    "needles": 8,  # needle cases per length
-    "sharegpt": 2,  # ShareGPT continuation cases per length
-    "continuation": 129,  # teacher-forced continuation tokens (ppl@128 needs 129)
-    "answer_tokens": 24,
-    "attend": "all",
-    "hide": 0,  # hide_translated: the question and answer skip translated entries in the first k layers ("global")
-    "warmup": 1,
-    "ref_tokenizer": "qwen2.5-coder-0.5b",  # contexts are cut at this tokenizer's counts
-    "seed": 0,  # case i draws its essay and fact from seed + i: seeds share cases (report.measured_before)
-    "resume": True,
-    "phase": "both",  # quality | timing | both (timing runs must have the machine to themselves) | report
-    "redo": "",  # comma list of rules whose kept rows of this phase are measured again (the rule changed)
-    "redo_datasets": "",  # with redo: only rows of these datasets (comma list of needle, sharegpt; empty: all)
-    "artifact": "",  # a work copy of the one direction's artifact, measured instead of the installed one
-}
+# `--set` keys (`ctxrelay bench NAME --keys` prints them): name, default, meaning
+TUNING_KEYS = [
+    TuningKey("rules", "deviation,lexical,embedding,recency,mix,adaptive", "selection rules measured (comma list)"),
+    TuningKey("fractions", "0.05,0.1,0.2,0.3", "recompute fractions measured (comma list)"),
+    TuningKey("exact_check", True, "f = 1 on the first case of each length: must equal native"),
+    TuningKey("needles", 8, "needle cases per length"),
+    TuningKey("sharegpt", 2, "ShareGPT continuation cases per length"),
+    TuningKey("continuation", 129, "teacher-forced continuation tokens (ppl@128 needs 129)"),
+    TuningKey("answer_tokens", 24, "greedy needle-answer tokens"),
+    TuningKey("attend", "all", "what the recomputed tokens attend to"),
+    TuningKey("hide", 0, "hide_translated: the question and answer skip translated entries in the first k layers "
+              "(\"global\": the full-attention layers)"),
+    TuningKey("warmup", 1, "untimed relays before the timed ones"),
+    TuningKey("ref_tokenizer", "qwen2.5-coder-0.5b", "contexts are cut at this tokenizer's counts"),
+    TuningKey("seed", 0, "case i draws its essay and fact from seed + i: seeds share cases (report.measured_before)"),
+    TuningKey("resume", True, "keep rows an earlier run measured with the same cases"),
+    TuningKey("phase", "both", "quality | timing (timing runs must have the machine to themselves) | both | report"),
+    TuningKey("redo", "", "comma list of rules whose kept rows of this phase are measured again"),
+    TuningKey("redo_datasets", "", "with redo: only rows of these datasets (needle, sharegpt; empty: all)"),
+    TuningKey("artifact", "", "a work copy of the one direction's artifact, measured instead of the installed one"),
+]
+OPTIONS = {k.name: k.default for k in TUNING_KEYS}
 CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "hide", "ref_tokenizer", "seed")
 
 
@@ -118,7 +122,7 @@ def build_cases(tokenizer, lengths: Sequence[int], opts: dict) -> list[Case]:
 
 
 def points(opts: dict) -> list[tuple[str, float]]:
-    from ctxrelay.transports.heterofold.recompute import RULES
+    from ctxrelay.transports.heterofold.recompute.rules import RULES
 
     rules = [r for r in str(opts["rules"]).split(",") if r]
     bad = [r for r in rules if r not in RULES]
@@ -202,7 +206,7 @@ def relay_point(r, state, art, ref: NativeRef, case: Case, rule: str, f: float, 
 
 
 def _signals(info: dict) -> dict:
-    from ctxrelay.transports.heterofold.recompute import SIGNALS
+    from ctxrelay.transports.heterofold.recompute.recompute_pass import SIGNALS
 
     keep = ("recompute_fraction", "requested_fraction", "recomputed", "sentences", "estimate", *SIGNALS)
     return {k: info[k] for k in (*keep, "first_token_p", "native_positions", "own_layers") if k in info}

@@ -122,7 +122,7 @@ def estimate_check(rows: list[dict], estimators: dict[tuple[str, str], dict]) ->
     estimate and whether the gate acts on it), and per fraction pooled over directions."""
     from scipy.stats import spearmanr
 
-    from ctxrelay.transports.heterofold.recompute import estimate, estimate_model, trusts
+    from ctxrelay.transports.heterofold.recompute.estimate import estimate, estimate_model, trusts
 
     def rho(pairs):
         if len(pairs) < 4 or len({p[0] for p in pairs}) < 2 or len({p[1] for p in pairs}) < 2:
@@ -164,7 +164,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    from ctxrelay.transports.heterofold.recompute import RULES
+    from ctxrelay.transports.heterofold.recompute.rules import RULES
 
     colors = {rule: f"C{i}" for i, rule in enumerate(RULES)}  # one colour per rule in every column
     summary = summarize(rows)
@@ -251,7 +251,7 @@ def _points(params: dict, quality: dict) -> list[dict]:
 def _replay(cands: list[tuple], by_case: dict, key: tuple, model: dict | None, threshold: float) -> dict:
     """One request through the gate and the relay layer: the first candidate (in the gate's order) whose
     estimate passes, skipping those calibrated no better than one it refused, else native."""
-    from ctxrelay.transports.heterofold.recompute import estimate, trusts
+    from ctxrelay.transports.heterofold.recompute.estimate import estimate, trusts
 
     native = by_case.get((*key, "none", 0.0, 0), {})
     spent, low = 0.0, -1.0  # low: the best calibrated top-1 the estimate refused for this request

@@ -26,6 +26,7 @@ from ctxrelay.models.runner import KVCache
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import tokenize_context
 from ctxrelay.state import ContextState
+from ctxrelay.transports.base import keys_from
 from ctxrelay.transports.heterofold.calibration import heldout as quality
 from ctxrelay.transports.heterofold.transfer import TRANSPORT, assemble_cache, check_state
 
@@ -75,6 +76,13 @@ def limits(receiver: LoadedModel, artifact: Artifact, items: list[quality.Heldou
 
 
 OPTIONS = {"texts": 8}  # held-out texts (the calibration's held-out set)
+# `ctxrelay bench heterofold-limits --keys`: each `--set` key, its default and meaning
+TUNING_KEYS = keys_from(
+    OPTIONS,
+    {
+        "texts": "held-out texts (the calibration's held-out set)",
+    },
+)
 
 
 def bench(model="", sender="", receiver="", lengths=(), repeats=1, out="", options=None, command="") -> Path:

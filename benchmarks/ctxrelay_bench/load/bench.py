@@ -31,11 +31,26 @@ from tqdm import tqdm
 
 from ctxrelay.errors import UsageError
 from ctxrelay.results import write_results
+from ctxrelay.transports.base import keys_from
 from ctxrelay_bench.plots import cdf_step, save_figure
 from ctxrelay_bench.runs import bench_options
 
 OPTIONS = {"concurrency": "1,4,16", "requests": 32, "max_s": 300.0, "max_tokens": 16, "port": 8391, "warmup": 2,
            "start_s": 300.0, "max_queue": 64}  # fmt: skip
+# `ctxrelay bench load --keys`: each `--set` key, its default and meaning
+TUNING_KEYS = keys_from(
+    OPTIONS,
+    {
+        "concurrency": "clients in flight per level (comma list)",
+        "requests": "requests per level",
+        "max_s": "seconds a level (and a request) may take",
+        "max_tokens": "tokens each request asks for",
+        "port": "the port the server under test listens on",
+        "warmup": "untimed requests first",
+        "start_s": "seconds the server may take to start",
+        "max_queue": "the server's --max-queue",
+    },
+)
 KEY = "load-test-key"
 QUESTION = "\n\nIn one sentence, what is this passage about?"
 

@@ -38,26 +38,29 @@ from ctxrelay.errors import UsageError
 from ctxrelay.metrics import next_token_kl, pooled_perplexity, token_nll, top1_agreement
 from ctxrelay.models.tokens import suffix_ids
 from ctxrelay.results import write_results
+from ctxrelay.transports.base import TuningKey
 from ctxrelay.transports.mapflow.calibration.job import DEFAULT_RECEIVER, DEFAULT_SENDER
 from ctxrelay_bench.mapflow_capture.operators import operator_times
 from ctxrelay_bench.runs import bench_command
 
-BENCH_DEFAULTS = {
-    "artifact": "",  # default: the packaged artifact, else <cache>/artifacts
-    "contexts": 3,  # needle contexts per length (quality); TTFT is timed on the first
-    "continuation": 129,  # teacher-forced tokens after the context (ppl@128 needs 129)
-    "answer_tokens": 10,
-    "capture_p": 0.95,  # sender maps are captured once at this p and re-selected per method
-    "capture": "auto",  # exact | sampled | auto (sampled unless a measured variant has replace layers, as edges do)
-    "p_list": "0.8,0.9,0.95",
-    "r_list": "",  # extra r for the frontier (default: artifact r + 4 and + 8)
-    "gp_list": "0.8",  # extra guided top-p values for the frontier (at the artifact's p)
-    "gs_list": "",  # other guided selections (row | global) at the artifact's guided p and at each of gp_list
-    "methods": "mapflow,guided,hybrid,replace,iam,flex",
-    "flex_p": "0.8,0.9",  # FlexPrefill-style baseline's top-p values
-    "sender_pairs": 3,  # interleaved native/capture sender prefills on the first context (end to end); 0: skip
-    "seed": 0,
-}
+# `--set` keys (`ctxrelay bench NAME --keys` prints them): name, default, meaning
+TUNING_KEYS = [
+    TuningKey("artifact", "", "default: the packaged artifact, else <cache>/artifacts"),
+    TuningKey("contexts", 3, "needle contexts per length (quality); TTFT is timed on the first"),
+    TuningKey("continuation", 129, "teacher-forced tokens after the context (ppl@128 needs 129)"),
+    TuningKey("answer_tokens", 10, "greedy needle-answer tokens"),
+    TuningKey("capture_p", 0.95, "sender maps are captured once at this p and re-selected per method"),
+    TuningKey("capture", "auto", "exact | sampled | auto (sampled unless a measured variant has replace layers)"),
+    TuningKey("p_list", "0.8,0.9,0.95", "sender top-p values of the frontier (comma list)"),
+    TuningKey("r_list", "", "extra r for the frontier (default: artifact r + 4 and + 8)"),
+    TuningKey("gp_list", "0.8", "extra guided top-p values for the frontier (at the artifact's p)"),
+    TuningKey("gs_list", "", "other guided selections (row | global) at the artifact's guided p and each of gp_list"),
+    TuningKey("methods", "mapflow,guided,hybrid,replace,iam,flex", "the methods measured (comma list)"),
+    TuningKey("flex_p", "0.8,0.9", "FlexPrefill-style baseline's top-p values"),
+    TuningKey("sender_pairs", 3, "interleaved native/capture sender prefills on the first context (0: skip)"),
+    TuningKey("seed", 0, "case seed"),
+]
+BENCH_DEFAULTS = {k.name: k.default for k in TUNING_KEYS}
 HORIZONS = (1, 16, 32, 128)
 
 

@@ -38,25 +38,28 @@ from ctxrelay.errors import UsageError
 from ctxrelay.models.tokens import tokenize_context
 from ctxrelay.results import read_results, write_results
 from ctxrelay.transports import mapflow
+from ctxrelay.transports.base import TuningKey
 from ctxrelay.transports.mapflow.calibration.job import DEFAULT_RECEIVER, DEFAULT_SENDER
 from ctxrelay_bench.mapflow.bench import cases_for, load_artifact, native_reference, relay_quality
 from ctxrelay_bench.mapflow_capture.operators import guided_operator_times
 from ctxrelay_bench.runs import bench_command, bench_options, timed_run
 
-DEFAULTS = {
-    "phases": "overhead,quality,operators",
-    "artifact": "",  # default: the packaged artifact, else <cache>/artifacts
-    "overhead_tokens": 4096,
-    "sample_rows": 0,  # overhead phase: sampled rows per block of the timed capture (0: the edge's default)
-    "warmup": 1,  # untimed prefills of each kind before the timed pairs
-    "exact_repeats": 1,  # timed exact-capture prefills (reference: what the capture cost before)
-    "contexts": 3,  # needle contexts per length (quality)
-    "continuation": 129,
-    "answer_tokens": 10,
-    "rows_list": "1,4,16",  # sampled rows per query block compared with the exact capture
-    "op_repeats": 3,  # timed repeats per operator and layer
-    "seed": 0,
-}
+# `--set` keys (`ctxrelay bench NAME --keys` prints them): name, default, meaning
+TUNING_KEYS = [
+    TuningKey("phases", "overhead,quality,operators", "what to measure (comma list of overhead, quality, operators)"),
+    TuningKey("artifact", "", "default: the packaged artifact, else <cache>/artifacts"),
+    TuningKey("overhead_tokens", 4096, "context length of the overhead phase"),
+    TuningKey("sample_rows", 0, "overhead phase: sampled rows per block of the timed capture (0: the edge's default)"),
+    TuningKey("warmup", 1, "untimed prefills of each kind before the timed pairs"),
+    TuningKey("exact_repeats", 1, "timed exact-capture prefills (reference: what the capture cost before)"),
+    TuningKey("contexts", 3, "needle contexts per length (quality)"),
+    TuningKey("continuation", 129, "teacher-forced continuation tokens"),
+    TuningKey("answer_tokens", 10, "greedy needle-answer tokens"),
+    TuningKey("rows_list", "1,4,16", "sampled rows per query block compared with the exact capture"),
+    TuningKey("op_repeats", 3, "timed repeats per operator and layer"),
+    TuningKey("seed", 0, "case seed"),
+]
+DEFAULTS = {k.name: k.default for k in TUNING_KEYS}
 NOTES = (
     "overhead: sender prefill (capture_state, kv=False) with the capture the pool runs for the shipped artifact's "
     "edge vs without any capture, same process and threads; capture_overhead = median(capture)/median(native) - 1, "

@@ -21,9 +21,23 @@ from pathlib import Path
 import torch
 
 from ctxrelay.results import write_results
+from ctxrelay.transports.base import keys_from
 from ctxrelay_bench.runs import bench_options
 
 DEFAULTS = {"hs": 12, "hr": 14, "hkv": 2, "d": 64, "block": 64, "extra": 8, "seed": 0}
+# `ctxrelay bench mapflow-gpu --keys`: each `--set` key, its default and meaning
+TUNING_KEYS = keys_from(
+    DEFAULTS,
+    {
+        "hs": "sender heads",
+        "hr": "receiver heads",
+        "hkv": "receiver kv heads",
+        "d": "head dim",
+        "block": "map block size",
+        "extra": "extra random blocks per row of the sender-like maps",
+        "seed": "random seed of the maps",
+    },
+)
 LENGTHS = (2048, 4096, 8192)
 TOLERANCE = 2e-3  # the kernel's tl.dot may run in tf32 (the tests use the same bound)
 

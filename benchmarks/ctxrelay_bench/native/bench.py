@@ -23,6 +23,7 @@ from ctxrelay.models import runner
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids
 from ctxrelay.results import write_results
+from ctxrelay.transports.base import keys_from
 from ctxrelay_bench.plots import grouped, line_plot, plot_path
 from ctxrelay_bench.runs import timed_run, wait_until_quiet
 
@@ -51,6 +52,21 @@ DEFAULTS = {
     "quiet_wait_s": 0.0,
     "quiet_busy": 0.25,
 }
+# `ctxrelay bench native --keys`: each `--set` key, its default and meaning
+TUNING_KEYS = keys_from(
+    DEFAULTS,
+    {
+        "retry_share": "> 0: measure a point again when a timed prefill got less than this share of its cores",
+        "retries": "most re-measurements of a point",
+        "warmup": "untimed prefills first",
+        "slow_s": "> 0: a point whose warm-up took longer gets only slow_repeats timed prefills",
+        "slow_repeats": "timed prefills of a slow point",
+        "split": "essay split the contexts come from",
+        "seed": "which essay the context is cut from",
+        "quiet_wait_s": "> 0: wait up to this long for the machine to go quiet before each point",
+        "quiet_busy": "the busy share counted as quiet",
+    },
+)
 
 
 def model_names(model: str) -> list[str]:

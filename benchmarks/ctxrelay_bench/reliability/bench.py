@@ -14,8 +14,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ctxrelay.errors import UsageError
+from ctxrelay.transports.base import keys_from
 
 OPTIONS = {"fuzz_cases": 1000, "tenant_cases": 300, "kills": 25, "contexts": 300, "cli_cases": "all"}
+# `ctxrelay bench reliability --keys`: each `--set` key, its default and meaning
+TUNING_KEYS = keys_from(
+    OPTIONS,
+    {
+        "fuzz_cases": "fuzzed inputs per deserializer",
+        "tenant_cases": "cross-tenant requests",
+        "kills": "SIGKILLs mid-write",
+        "contexts": "contexts the memory-budget check stores",
+        "cli_cases": "CLI bad-input cases run (all, or the first N)",
+    },
+)
 BAR = {"fuzz_cases_per_deserializer": 1000, "fault_kinds": 5, "sigkill_repeats": 20}
 FUZZ_CATEGORY = "fuzz: "
 TOTALS = ("cases", "faults_injected", "requests", "requests_failed", "entries_lost", "entries_corrupt", "unhandled")

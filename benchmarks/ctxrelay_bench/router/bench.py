@@ -44,6 +44,7 @@ from ctxrelay.models import runner
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import tokenize_context
 from ctxrelay.results import write_results
+from ctxrelay.transports.base import keys_from
 from ctxrelay_bench.load.bench import percentile
 from ctxrelay_bench.plots import cdf_step, plot_path, save_figure
 from ctxrelay_bench.runs import bench_options
@@ -52,6 +53,27 @@ OPTIONS = {"large": "qwen2.5-coder-1.5b", "small": "gemma3-270m", "conversations
            "max_tokens": 2000, "turn_chars": 1500, "rate": 0.01, "think_s": 10.0, "sigma": 0.3,
            "reply_tokens": 32, "seeds": 5, "taus": 7, "slo_s": 5.0, "thresholds": "0.85,0.75",
            "rates": "0.0025,0.005,0.0075,0.01,0.015,0.02,0.03"}  # fmt: skip
+# `ctxrelay bench router --keys`: each `--set` key, its default and meaning
+TUNING_KEYS = keys_from(
+    OPTIONS,
+    {
+        "large": "the large model",
+        "small": "the small model",
+        "conversations": "held-out ShareGPT conversations",
+        "max_turns": "turns kept per conversation",
+        "max_tokens": "longest transcript (tokens) a conversation may reach",
+        "turn_chars": "characters each turn is cut to",
+        "rate": "conversation arrivals per second",
+        "think_s": "mean think time between a reply and the next turn",
+        "sigma": "router noise",
+        "reply_tokens": "decoded tokens per reply (cap)",
+        "seeds": "simulation seeds pooled",
+        "taus": "router thresholds swept",
+        "slo_s": "the p90 TTFT target of the rate sweep",
+        "thresholds": "the gate's quality thresholds compared (comma list)",
+        "rates": "arrival rates swept (comma list)",
+    },
+)
 # thresholds: the gate's default (protective) and one that admits relays losing some facts (for comparison)
 MODES = ("native", "full", "relay")
 

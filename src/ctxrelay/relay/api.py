@@ -27,7 +27,7 @@ from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state, extend_state
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
-from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP, Decision, decide, reason_for, requestable
+from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP, Decision, Fallback, decide, requestable
 from ctxrelay.relay.graph import Profile, TransportGraph
 from ctxrelay.relay.store import StateKey, StateStore, StoreUnavailable, open_store
 from ctxrelay.state import ContextState, content_hash
@@ -212,26 +212,11 @@ class ModelPool:
         )
 
     def _relay_checked(self, d: Decision, state, r, suffix, timings, threshold, check) -> tuple:
-        """Relay through the gate's cheapest candidate; where the relay would answer nothing or the
-        transport estimates THIS request below the threshold, try the next candidate. Each one's expected
-        TTFT beats native prefill by the margin (the gate kept no other), and the refused relay's time is
-        spent whichever way the request goes, so it does not count against the next (counting it sent
-        requests to native prefill when a relay left was still the faster way on). After the estimate
-        refuses a point, later points of the same edge calibrated no better are skipped: they would
-        serve this request no better (cheapest-first can put the better point first, e.g. when it is
-        refused less often).
-        Returns (RelayOutput, "") or (None, why native)."""
-        tried: list[str] = []
-        low: dict[str, float] = {}  # edge -> the best calibrated top-1 its estimate refused for this request
-        for i, c in enumerate(d.candidates):
-            top1 = c.quality.get("top1_agreement")
-            if top1 is not None and top1 <= low.get(c.edge.label, -1.0):
-                # a point calibrated no better than one the estimate just refused would serve this
-                # request no better: one more relay paid for nothing
-                tried.append(f"{c.label}: skipped (calibrated top-1 {top1:.3f}, no better than a refused point)")
-                continue
-            if i:
-                d.choose(c, reason_for(c, d.predicted_native_s, threshold))
+        """Relay through the gate's candidates in its fallback order (gate.Fallback) until one serves:
+        a relay that would answer nothing, or that the transport estimates below the threshold for THIS
+        request, is refused. Returns (RelayOutput, "") or (None, why native)."""
+        walk = Fallback(d, threshold)
+        for c in walk.candidates():
             ta = time.perf_counter()
             try:
                 out = self._relay(d, state, r, suffix)
@@ -239,19 +224,13 @@ class ModelPool:
                 log.warning("%s failed (%s); native prefill instead", c.label, e)
                 return None, f"{c.label} failed ({e}); native prefill instead"
             refused = _refusal(out, r, threshold) if check else ""
-            est = out.info.get("estimate")
             if refused:
-                tried.append(f"{c.label}: {refused}")
-                if est is not None and est < threshold and top1 is not None:
-                    low[c.edge.label] = max(low.get(c.edge.label, -1.0), top1)
+                walk.refused(c, refused, out.info.get("estimate"))
                 timings["rejected_relay_s"] = timings.get("rejected_relay_s", 0.0) + time.perf_counter() - ta
                 continue
-            if est is not None:
-                d.reason += f"; estimated top-1 for this request {est:.2f}"
-            if tried:
-                d.reason += " (after " + "; ".join(tried) + ")"
+            walk.served(out.info.get("estimate"))
             return out, ""
-        return None, "; ".join(tried) + "; native prefill instead (no faster relay passes the checks)"
+        return None, walk.exhausted()
 
     def native(self, receiver: str, text: str, suffix: str = "", **kw) -> RelayResult:
         """The reference: the receiver prefills context + suffix itself."""

@@ -89,6 +89,49 @@ class Decision:
         }
 
 
+class Fallback:
+    """The gate's policy after a relay is refused for THIS request: which candidate next.
+
+    Each candidate's expected TTFT beats native prefill by the margin (the gate kept no other), and a
+    refused relay's time is spent whichever way the request goes, so it does not count against the next
+    (counting it sent requests to native prefill when a relay left was still the faster way on). After
+    the estimate refuses a point, later points of the same edge calibrated no better are skipped: they
+    would serve this request no better (cheapest-first can put the better point first, e.g. when it is
+    refused less often)."""
+
+    def __init__(self, d: Decision, threshold: float) -> None:
+        self.d, self.threshold = d, threshold
+        self.tried: list[str] = []
+        self._low: dict[str, float] = {}  # edge -> the best calibrated top-1 its estimate refused here
+
+    def candidates(self):
+        """The candidates to relay through, in order, each made the decision's choice in turn."""
+        for i, c in enumerate(self.d.candidates):
+            top1 = c.quality.get("top1_agreement")
+            if top1 is not None and top1 <= self._low.get(c.edge.label, -1.0):
+                self.tried.append(f"{c.label}: skipped (calibrated top-1 {top1:.3f}, no better than a refused point)")
+                continue
+            if i:
+                self.d.choose(c, reason_for(c, self.d.predicted_native_s, self.threshold))
+            yield c
+
+    def refused(self, c: Candidate, why: str, estimate: float | None) -> None:
+        self.tried.append(f"{c.label}: {why}")
+        top1 = c.quality.get("top1_agreement")
+        if estimate is not None and estimate < self.threshold and top1 is not None:
+            self._low[c.edge.label] = max(self._low.get(c.edge.label, -1.0), top1)
+
+    def served(self, estimate: float | None) -> None:
+        """The reason of a relay that served, naming its estimate and the refusals before it."""
+        if estimate is not None:
+            self.d.reason += f"; estimated top-1 for this request {estimate:.2f}"
+        if self.tried:
+            self.d.reason += " (after " + "; ".join(self.tried) + ")"
+
+    def exhausted(self) -> str:
+        return "; ".join(self.tried) + "; native prefill instead (no faster relay passes the checks)"
+
+
 def requestable() -> list[str]:
     """What a request may name as its transport."""
     return ["auto", "native", *transports.names()]

@@ -8,6 +8,7 @@ The relay layer only ever talks to transports through this module:
   t.capture_plan(sender, edge_params)    what the sender's prefill must record for t's edges
   t.relay_prefill(receiver, state, artifact, suffix_ids, **options) -> RelayOutput
   t.calibrate(sender, receiver, ...)     fit an artifact (`ctxrelay calibrate --transport NAME`)
+  t.tuning_keys()                        the `--set` keys calibrate takes (TuningKey: default, meaning)
 
 Adding a transport = one package under transports/ (a Transport subclass instance named
 `transport`) + one line in BUILTIN; a transport from outside the library calls `register(obj)`.
@@ -17,7 +18,7 @@ RelayOutput.timings splits the end-to-end time into named components that add up
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,36 @@ class RelayOutput:
     @property
     def components_s(self) -> float:
         return sum(self.timings.values())
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    """One `--set key=value` a command takes, declared where it is read: the CLI lists the keys with their
+    defaults and meanings (`--keys`) and refuses a mistyped one before any model loads."""
+
+    name: str
+    default: object
+    help: str = ""  # one line: what the key changes
+    choices: tuple[str, ...] = ()  # the values it takes, where they are a closed set
+
+
+def keys_from(defaults: dict, helps: dict[str, str] | None = None, choices: dict | None = None) -> list[TuningKey]:
+    """TuningKeys of a defaults dict (a job's or a benchmark's options) with the meanings `helps` gives."""
+    helps, choices = helps or {}, choices or {}
+    return [TuningKey(k, v, helps.get(k, ""), tuple(choices.get(k, ()))) for k, v in defaults.items()]
+
+
+def check_keys(options: dict, keys: Iterable[TuningKey], what: str) -> None:
+    """Refuse keys `keys` does not declare, and values outside a key's choices: a UsageError naming the bad
+    key(s) and every valid one (a typo would otherwise be ignored, or found after the models load)."""
+    known = {k.name: k for k in keys}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise UsageError(f"unknown {what} key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+    for name, value in options.items():
+        allowed = known[name].choices
+        if allowed and str(value) not in allowed:
+            raise UsageError(f"{what} key {name}={value} is not one of {', '.join(allowed)}")
 
 
 class Transport:
@@ -81,6 +112,10 @@ class Transport:
         self, sender: str, receiver: str, *, out: Path | None, resume: bool, options: dict, command: str
     ) -> Path:
         raise UsageError(f"the {self.name} transport has nothing to calibrate")
+
+    def tuning_keys(self) -> list[TuningKey]:
+        """The `--set` keys `calibrate` takes (empty: none declared, and the CLI checks none)."""
+        return []
 
 
 def check_edge(

@@ -19,7 +19,9 @@ from ctxrelay.transports.heterofold.hiding import (
     hide_order,
     point_label,
 )
-from ctxrelay.transports.heterofold.recompute import parse_setting, recompute, select, setting_key
+from ctxrelay.transports.heterofold.recompute.recompute_pass import recompute
+from ctxrelay.transports.heterofold.recompute.rules import select
+from ctxrelay.transports.heterofold.recompute.settings import parse_setting, setting_key
 from ctxrelay.transports.heterofold.transfer import assemble_cache, translated_mask
 
 TOL = 1e-4

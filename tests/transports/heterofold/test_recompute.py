@@ -10,7 +10,8 @@ from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state
 from ctxrelay.models.tokens import context_ids, suffix_ids, tokenize_context
 from ctxrelay.transports.heterofold import relay_prefill
-from ctxrelay.transports.heterofold.recompute import RULES, query_text, recompute, select, sentence_tokens
+from ctxrelay.transports.heterofold.recompute.recompute_pass import recompute
+from ctxrelay.transports.heterofold.recompute.rules import RULES, query_text, select, sentence_tokens
 from ctxrelay.transports.heterofold.transfer import assemble_cache, translated_mask
 
 TOL = 1e-4
@@ -163,7 +164,8 @@ def test_bad_recompute_options_are_clear(tiny_by_family):
 def test_recompute_stage_measures_each_fraction_and_fits_an_estimate(tiny_by_family):
     from ctxrelay.transports.heterofold import transport
     from ctxrelay.transports.heterofold.calibration.fractions import calibrate_recompute, fit_estimate
-    from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate
+    from ctxrelay.transports.heterofold.recompute.estimate import estimate
+    from ctxrelay.transports.heterofold.recompute.recompute_pass import SIGNALS
 
     sender, receiver = tiny_by_family["llama"], tiny_by_family["gemma3"]
     art = zero_artifact(sender, receiver)
@@ -203,7 +205,7 @@ def test_recompute_stage_measures_each_fraction_and_fits_an_estimate(tiny_by_fam
 
 
 def test_copy_sources_find_what_followed_the_contexts_last_tokens_earlier():
-    from ctxrelay.transports.heterofold.recompute import copy_sources
+    from ctxrelay.transports.heterofold.recompute.rules import copy_sources
 
     ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14] + list(range(100, 130)) + [7, 8, 9, 10, 11, 12])
     pos = copy_sources(ids, budget=12, n=6)
@@ -212,7 +214,7 @@ def test_copy_sources_find_what_followed_the_contexts_last_tokens_earlier():
 
 
 def test_copy_sources_give_the_latest_distinct_source_the_depth():
-    from ctxrelay.transports.heterofold.recompute import copy_sources
+    from ctxrelay.transports.heterofold.recompute.rules import copy_sources
 
     tail = [7, 8, 9, 10, 11, 12]
     quoted = list(range(200, 240))  # what followed the tail each time it occurred before
@@ -230,7 +232,7 @@ def test_copy_sources_give_the_latest_distinct_source_the_depth():
 def test_copy_sources_follow_the_text_the_ending_repeats_word_for_word():
     """ShareGPT seed 500: a conversation repeating a legal text from 2000 tokens back, whose last tokens
     also occurred in three later places: the far source the ending has been repeating gets the budget."""
-    from ctxrelay.transports.heterofold.recompute import COPY_VERBATIM, backward_match, copy_sources
+    from ctxrelay.transports.heterofold.recompute.rules import COPY_VERBATIM, backward_match, copy_sources
 
     tail = [7, 8, 9, 10, 11, 12]
     repeated = list(range(500, 500 + COPY_VERBATIM + 8))  # the text the context's ending repeats
@@ -250,7 +252,7 @@ def test_the_estimate_is_centred_per_calibrated_length():
     """Where mean top-1 falls with length and the signal does not, centres from one length would rank a
     mix of lengths by length; per-length centres rank requests by their signal within their length."""
     from ctxrelay.transports.heterofold.calibration.fractions import fit_estimate
-    from ctxrelay.transports.heterofold.recompute import calibrated_estimates, estimate
+    from ctxrelay.transports.heterofold.recompute.estimate import calibrated_estimates, estimate
 
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -334,7 +336,8 @@ def test_the_gate_trusts_an_estimate_by_the_texts_left_out_of_its_fit():
     """A signal that follows top-1 ranks texts left out of its fit about as well as those in it; noise
     picked as the best of six signals fits its own texts but ranks left-out ones near zero."""
     from ctxrelay.transports.heterofold.calibration.fractions import fit_estimate
-    from ctxrelay.transports.heterofold.recompute import SIGNALS, trusts
+    from ctxrelay.transports.heterofold.recompute.estimate import trusts
+    from ctxrelay.transports.heterofold.recompute.recompute_pass import SIGNALS
 
     gen = torch.Generator().manual_seed(1)
     rows = []
@@ -388,7 +391,7 @@ def test_the_estimate_is_centred_per_hiding():
     """The same f hiding 12 layers and hiding none are two operating points with their own mean top-1:
     a request is judged against the centres of its own hiding."""
     from ctxrelay.transports.heterofold.calibration.fractions import fit_estimate
-    from ctxrelay.transports.heterofold.recompute import estimate
+    from ctxrelay.transports.heterofold.recompute.estimate import estimate
 
     rows = []
     for hide, base in ((0, 0.8), (12, 0.9)):
@@ -409,7 +412,7 @@ def test_the_estimate_is_fitted_and_trusted_per_setting():
     estimate (signal, line, left-out Spearman): the gate acts on the one that ranks, never on the other,
     and a request is judged by its own hiding's estimate at the nearest calibrated length."""
     from ctxrelay.transports.heterofold.calibration.fractions import estimate_entry
-    from ctxrelay.transports.heterofold.recompute import calibrated_estimates, estimate, estimate_model, trusts
+    from ctxrelay.transports.heterofold.recompute.estimate import calibrated_estimates, estimate, estimate_model, trusts
 
     gen = torch.Generator().manual_seed(2)
     rows = []

@@ -11,7 +11,8 @@ from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.transports.heterofold import relay_prefill
-from ctxrelay.transports.heterofold.recompute import SECOND_SHARE, second_pass_positions
+from ctxrelay.transports.heterofold.recompute.recompute_pass import second_pass_positions
+from ctxrelay.transports.heterofold.recompute.rules import SECOND_SHARE
 
 
 def _case(tiny_by_family, s: str, r: str):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ctxrelay.transports.base import Transport
+from ctxrelay.transports.base import Transport, TuningKey
 from ctxrelay.transports.heterofold.points import operating_points
 from ctxrelay.transports.heterofold.transfer import ARTIFACT_VERSION, TRANSPORT, identity_artifact, relay_prefill
 
@@ -33,6 +33,12 @@ class Heterofold(Transport):
         from ctxrelay.transports.heterofold.calibration.job import calibrate_job
 
         return calibrate_job(sender, receiver, out=out, resume=resume, options=options, command=command)
+
+    def tuning_keys(self) -> list[TuningKey]:
+        """The `--set` keys of `ctxrelay calibrate --transport heterofold` (declared by its calibration job)."""
+        from ctxrelay.transports.heterofold.calibration.job import tuning_keys
+
+        return tuning_keys()
 
 
 transport = Heterofold()

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from ctxrelay.metrics import nearest_length
 from ctxrelay.transports.heterofold.hiding import Hide, hide_code, hide_last, point_label
-from ctxrelay.transports.heterofold.recompute import calibrated_estimates, serving_span, stage_setting, with_setting
+from ctxrelay.transports.heterofold.recompute.estimate import calibrated_estimates
+from ctxrelay.transports.heterofold.recompute.settings import serving_span, stage_setting, with_setting
 
 FACT_FIELDS = ("fact_recall", "native_right", "kept", "cases")  # what an operating point's quality gains from facts
 

@@ -27,16 +27,10 @@ from ctxrelay.transports.base import RelayOutput, check_edge
 from ctxrelay.transports.heterofold.align import Alignment, align_ids, layer_sources, special_ids_of
 from ctxrelay.transports.heterofold.hiding import hidden_layers, hide_code, hiding_gap
 from ctxrelay.transports.heterofold.kv_maps import FoldMaps, translate
-from ctxrelay.transports.heterofold.recompute import (
-    SIGNALS,
-    TAIL,
-    estimate,
-    estimate_model,
-    second_pass_positions,
-    select,
-    trusts,
-)
-from ctxrelay.transports.heterofold.recompute import recompute as recompute_positions
+from ctxrelay.transports.heterofold.recompute.estimate import estimate, estimate_model, trusts
+from ctxrelay.transports.heterofold.recompute.recompute_pass import SIGNALS, second_pass_positions
+from ctxrelay.transports.heterofold.recompute.recompute_pass import recompute as recompute_positions
+from ctxrelay.transports.heterofold.recompute.rules import TAIL, select
 
 TRANSPORT = "heterofold"
 ARTIFACT_VERSION = 1

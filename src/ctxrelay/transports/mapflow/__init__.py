@@ -20,7 +20,7 @@ import torch
 from ctxrelay.errors import UsageError
 from ctxrelay.models.capture import CapturePlan
 from ctxrelay.models.spec import LoadedModel
-from ctxrelay.transports.base import Transport
+from ctxrelay.transports.base import Transport, TuningKey
 from ctxrelay.transports.mapflow.sampled_capture import SampledMapCapture
 from ctxrelay.transports.mapflow.sparse import SOURCES, MapCapture, MapsError
 
@@ -151,6 +151,12 @@ class Mapflow(Transport):
         from ctxrelay.transports.mapflow.calibration.job import calibrate_job
 
         return calibrate_job(sender, receiver, out=out, resume=resume, options=options, command=command)
+
+    def tuning_keys(self) -> list[TuningKey]:
+        """The `--set` keys of `ctxrelay calibrate --transport mapflow` (declared by its calibration job)."""
+        from ctxrelay.transports.mapflow.calibration.job import tuning_keys
+
+        return tuning_keys()
 
 
 transport = Mapflow()

@@ -82,6 +82,32 @@ class CalibConfig:
         return "same-index" if self.method == "same-index" else "ta"
 
 
+# one line per CalibConfig field: what `ctxrelay calibrate --keys --transport heterofold` says of it
+CALIB_HELP = {
+    "method": "what to fit: same-index | ridge+ta | recolor+ta | heterofold (the job also takes all, or a comma list)",
+    "ridge_alpha": "ridge penalty, relative to the mean eigenvalue of Cxx",
+    "recolor_gamma": "recolor gamma (< 0: searched over gammas on held-out texts)",
+    "recolor_eps": "recolor eps (< 0: searched over epss on held-out texts)",
+    "gammas": "the gammas the init search tries (comma list)",
+    "epss": "the epss the init search tries (comma list)",
+    "rank": "rank of the output-aware corrections",
+    "epochs": "passes of the layer-local correction training",
+    "lr": "learning rate of the corrections",
+    "weight_decay": "weight decay of the corrections",
+    "kl_weight": "key loss = kl_weight * KL(native attention || mapped) + o_proj output error",
+    "query_rows": "sampled receiver query rows per calibration text",
+    "heldout_suffix": "continuation tokens per held-out text (ppl@128 needs 129)",
+    "e2e_epochs": "end-to-end refinement passes (0: the layer-local objectives only)",
+    "e2e_tokens": "receiver tokens run natively per text in the end-to-end stage",
+    "e2e_lr": "learning rate of the end-to-end stage",
+    "e2e_native": "share of each context's last tokens kept native in the end-to-end stage",
+    "store_rank": "> 0: store each folded map as rank-k factors (small artifacts)",
+    "own_layers": "the receiver's own K/V in its first k layers for every context token, not translated",
+    "val_every": "every n-th training text is validation (not fitted on)",
+    "seed": "random seed of the fit",
+}
+
+
 def work_dir() -> Path:
     from ctxrelay.zoo import cache_dir  # zoo is on this floor; only its cache location is needed
 

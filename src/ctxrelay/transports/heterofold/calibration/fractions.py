@@ -27,7 +27,9 @@ from ctxrelay.metrics import PooledQuality, position_agreement
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.transports.heterofold.calibration import heldout
 from ctxrelay.transports.heterofold.hiding import Hide, hide_code, hide_last
-from ctxrelay.transports.heterofold.recompute import SIGNALS, estimate, parse_setting, row_tokens, setting_key
+from ctxrelay.transports.heterofold.recompute.estimate import estimate
+from ctxrelay.transports.heterofold.recompute.recompute_pass import SIGNALS
+from ctxrelay.transports.heterofold.recompute.settings import parse_setting, row_tokens, setting_key
 from ctxrelay.transports.heterofold.transfer import relay_prefill
 
 DEFAULT_RULE = "mix"

@@ -21,6 +21,7 @@ from ctxrelay.data.datasets import (
     sharegpt_conversations,
 )
 from ctxrelay.errors import UsageError
+from ctxrelay.transports.base import TuningKey, keys_from
 from ctxrelay.transports.heterofold.hiding import Hide, hide_code, hide_last, hide_order
 
 # data options (`--set key=value`), the rest goes to ctxrelay.transports.heterofold.calibration.fit.CalibConfig
@@ -33,6 +34,41 @@ RECOMPUTE_DEFAULTS = {"recompute_tokens": 2048, "recompute_essays": 8, "recomput
                       "fractions": "0.05,0.1,0.2,0.3", "rule": "mix", "hide_layers": 0}  # fmt: skip
 # the fact-recall stage (facts.py): calibration-only needle cases, answered natively and at every fraction
 FACTS_DEFAULTS = {"facts_cases": 24, "facts_tokens": 2048, "facts_new_tokens": 32}
+# what the job runs (`--set stage=`, or `ctxrelay calibrate heterofold STAGE`); the fit's keys are CalibConfig's
+STAGES = ("all", "recompute", "facts", "refit", "keep", "drop")
+JOB_KEYS = (
+    TuningKey("stage", "all", "all: fit + stages; recompute, facts: rerun that stage on the existing artifact; refit: "
+              "the estimate from stored rows; keep: only --set fractions stay; drop: --set drop's points go", STAGES),
+    TuningKey("drop", "", "with stage=drop: the settings whose points go (comma list: 4096, 2048+hide12, ...)"),
+)  # fmt: skip
+DATA_HELP = {
+    "chunk_chars": "characters per calibration text (cut at a paragraph, sentence or word)",
+    "essay_chunks": "training essay chunks the maps are fitted on",
+    "conversations": "training ShareGPT conversation chunks the maps are fitted on",
+    "heldout_essays": "held-out essay chunks of the quality report",
+    "heldout_convs": "held-out conversation chunks of the quality report",
+    "recompute_tokens": "context length (tokens) the recompute stage measures its points at",
+    "recompute_essays": "training essay haystacks of the recompute stage",
+    "recompute_convs": "training conversation histories of the recompute stage",
+    "fractions": "recompute fractions measured as operating points (comma list; stage=keep: those kept)",
+    "rule": "how the recompute stage picks the tokens it recomputes (the selection rule)",
+    "hide_layers": "the question and answer skip translated entries in the receiver's first k layers (global: "
+    "its full-attention layers only)",
+    "facts_cases": "calibration-only needle cases of the fact stage",
+    "facts_tokens": "context length (tokens) of the fact stage",
+    "facts_new_tokens": "answer tokens generated per fact case",
+}
+
+
+def tuning_keys() -> list[TuningKey]:
+    """Every `--set` key of `ctxrelay calibrate --transport heterofold`: the job's, its data's, the fit's."""
+    import dataclasses
+
+    from ctxrelay.transports.heterofold.calibration.fit import CALIB_HELP, CalibConfig
+
+    fit_defaults = {f.name: f.default for f in dataclasses.fields(CalibConfig)}
+    data_defaults = {**DATA_DEFAULTS, **RECOMPUTE_DEFAULTS, **FACTS_DEFAULTS}
+    return [*JOB_KEYS, *keys_from(data_defaults, DATA_HELP), *keys_from(fit_defaults, CALIB_HELP)]
 
 
 def chunk(text: str, chars: int) -> list[str]:
@@ -262,7 +298,12 @@ def _drop_settings(art: Artifact, stage: dict, keys: list[str]) -> None:
     from the recompute table, its rows and runs, and the fact entries, rows and runs at those settings
     (f = 0 stays): e.g. the unhidden points at 4096 once points hiding the full-attention layers replace
     them there. A point measured at other settings too keeps those."""
-    from ctxrelay.transports.heterofold.recompute import parse_setting, setting_key, stage_setting, with_setting
+    from ctxrelay.transports.heterofold.recompute.settings import (
+        parse_setting,
+        setting_key,
+        stage_setting,
+        with_setting,
+    )
 
     table = with_setting(art.quality.get("recompute", []), *stage_setting(stage))
     have = {(q["tokens"], q["hide_translated"]) for q in table if q["f"]}
@@ -298,7 +339,7 @@ def _add_recompute_stage(s, r, art: Artifact, opts: dict, command: str) -> None:
     both lengths, and `--set hide_layers=12 --set recompute_tokens=4096` adds points that hide beside
     points that do not (each is an operating point of its own, served where it was measured)."""
     from ctxrelay.transports.heterofold.calibration.fractions import calibrate_recompute, estimate_entry
-    from ctxrelay.transports.heterofold.recompute import stage_setting, with_setting
+    from ctxrelay.transports.heterofold.recompute.settings import stage_setting, with_setting
 
     n, rule, hide = int(opts["recompute_tokens"]), str(opts["rule"]), hide_code(opts["hide_layers"])
     fracs = [float(f) for f in str(opts["fractions"]).split(",") if f]
@@ -339,7 +380,7 @@ def _recompute_runs(stage: dict) -> list[dict]:
 
 
 def _run_key(run: dict) -> str:
-    from ctxrelay.transports.heterofold.recompute import setting_key
+    from ctxrelay.transports.heterofold.recompute.settings import setting_key
 
     return setting_key(run["recompute_tokens"], run["hide_layers"])
 
@@ -350,7 +391,7 @@ def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str, hide: Hide |
     for these fractions (and f = 0) and keeps the others, so a point that hides at 4096 tokens gets its
     own fact check beside one that does not hide at 2048."""
     from ctxrelay.transports.heterofold.calibration.facts import calibrate_facts
-    from ctxrelay.transports.heterofold.recompute import stage_setting, with_setting
+    from ctxrelay.transports.heterofold.recompute.settings import stage_setting, with_setting
 
     fracs = [0.0] + [float(f) for f in str(opts["fractions"]).split(",") if f]
     if hide is None:

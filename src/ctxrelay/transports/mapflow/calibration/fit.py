@@ -85,6 +85,38 @@ class CalibOptions:
         return opts
 
 
+# one line per CalibOptions field: what `ctxrelay calibrate --keys --transport mapflow` says of it
+OPTION_HELP = {
+    "block": "attention-map block size (tokens)",
+    "top_p": "sender map top-p the artifact uses",
+    "capture_p": "sender maps are cached at this p and re-selected down",
+    "guided_p": "top-p of the guided pattern over the sender's maps",
+    "unit": "guided pattern per kv group or per head (group | head)",
+    "ctx_tokens": "training and diagnosis context length (short: cheap)",
+    "suffix_tokens": "appended tokens per text whose logits the loss scores",
+    "eval_tokens": "context length of the mode choice and held-out report, where reuse pays",
+    "cost_tokens": "per-layer attention costs are measured on one context this long (0: eval_tokens)",
+    "train_texts": "texts W is trained on",
+    "select_texts": "train texts (at eval_tokens) the mode choice is scored on",
+    "heldout_texts": "held-out texts of the quality report",
+    "diag_texts": "texts the diagnosis fits and compares maps on",
+    "diag_rows": "sampled query rows per diagnosis text",
+    "tv_max": "a layer is reused from the first whose map TV (under the mapping) is at most this",
+    "mapping": "receiver -> sender layer mapping: best | suffix | auto (best where it lowers the mean TV)",
+    "r": "first reused receiver layer (-1: chosen by the diagnosis)",
+    "min_layers": "refuse the pair when fewer reused layers fit within tv_max",
+    "train_steps": "end-to-end training steps of W",
+    "lr": "learning rate of W",
+    "min_top1": "mode choice target: top-1 agreement with native on the selection texts",
+    "modes": "mixed (per-layer choice) | replace | guided | hybrid (every reused layer)",
+    "hybrid": "the mode choice may upgrade guided layers to hybrid before native",
+    "replace_trials": "best-fitting layers the mode choice tries in replace mode",
+    "force": "calibrate even when the diagnosis refuses the pair",
+    "seed": "random seed",
+    "cache_dir": "where sender maps are cached (default: ctxrelay's cache)",
+}
+
+
 @dataclass
 class Item:
     """One calibration context and what both models say about it."""

@@ -16,6 +16,7 @@ from ctxrelay import paths
 from ctxrelay.data.datasets import conversation_text, essay_haystack, essays, sharegpt_conversations
 from ctxrelay.data.needle import make_needle_case
 from ctxrelay.errors import UsageError
+from ctxrelay.transports.base import TuningKey, keys_from
 
 DEFAULT_SENDER, DEFAULT_RECEIVER = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
@@ -29,6 +30,27 @@ DATA_DEFAULTS = {
     "heldout_texts": 4,  # held-out essay haystacks at eval_tokens
     "heldout_needles": 2,  # held-out needle QA at eval_tokens
 }
+DATA_HELP = {
+    "essay_texts": "training essays (cut at ctx_tokens)",
+    "conversations": "training ShareGPT conversations",
+    "needle_texts": "training needle QA at ctx_tokens",
+    "long_texts": "training essay haystacks at eval_tokens (mode choice)",
+    "long_needles": "training needle QA at eval_tokens (mode choice)",
+    "heldout_texts": "held-out essay haystacks at eval_tokens",
+    "heldout_needles": "held-out needle QA at eval_tokens",
+}
+
+
+def tuning_keys() -> list[TuningKey]:
+    """Every `--set` key of `ctxrelay calibrate --transport mapflow`: its data's and the fit's (CalibOptions)."""
+    from dataclasses import fields
+
+    from ctxrelay.transports.mapflow.calibration.fit import OPTION_HELP, CalibOptions
+
+    # a fit field a data key shadows (heldout_texts) never reaches the fit from `--set`: listed once
+    fit = {f.name: f.default for f in fields(CalibOptions) if f.name not in DATA_DEFAULTS}
+    modes = {"modes": ("mixed", "replace", "guided", "hybrid")}
+    return [*keys_from(DATA_DEFAULTS, DATA_HELP), *keys_from(fit, OPTION_HELP, modes)]
 
 
 def default_artifact_path(sender: str, receiver: str) -> Path:
