@@ -5,6 +5,7 @@ Fast: no models, no network."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -164,3 +165,16 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)}:{i}: {target}")
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
+def test_every_results_file_validates():
+    """Each results file has the command that wrote it, the machine it ran on, and rows the schema accepts."""
+    from ctxrelay.results import validate_rows
+
+    files = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+    assert files
+    for f in files:
+        doc = json.loads(f.read_text())
+        assert isinstance(doc.get("command"), str) and doc["command"], f"{f.name}: no command"
+        assert isinstance(doc.get("machine"), dict), f"{f.name}: no machine facts"
+        validate_rows(doc["rows"])
