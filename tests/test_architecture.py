@@ -19,7 +19,7 @@ FLOORS = {
     "models": 2, "zoo": 2, "data": 2,
     "transports": 3,
     "relay": 4,
-    "serve": 5, "demo": 5,
+    "serve": 5, "demo": 5, "engines": 5,
     "cli": 6, "__init__": 6,
     "ctxrelay_bench": 7,
 }  # fmt: skip

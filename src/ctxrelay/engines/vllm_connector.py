@@ -1,0 +1,158 @@
+"""ctxrelay's KV connector for vLLM (its CPU build): a request that names a ctxrelay K/V file gets the
+receiver cache ctxrelay built (a relay through any transport, or a model's own exact K/V) written into
+vLLM's paged cache, and vLLM computes only the rest of the prompt.
+
+Load it from outside vLLM:
+
+    LLM(model=..., kv_transfer_config={"kv_connector": "CtxrelayConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "ctxrelay.engines.vllm_connector",
+        "kv_connector_extra_config": {"weights_hash": <ctxrelay's hash of these weights>}})
+
+and send `SamplingParams(extra_args={"kv_transfer_params": {"ctxrelay_kv": PATH, "tenant": T}})` with a
+`cache_salt` derived from tenant and relay, so that approximate K/V never satisfies a later exact lookup
+of the engine's prefix cache. Scheduler side: claim the file's tokens, whole blocks only and never the
+prompt's last token (vLLM computes at least one). Worker side: write them through the engine's own
+cache-write op (`cpu_attn_reshape_and_cache`: on AMX machines the cache rows are packed for the AMX
+kernel, so the cache is never indexed directly). A file that is missing, foreign, of another model or
+tenant, or of other tokens is reported through `get_block_ids_with_load_errors`, and with
+`kv_load_failure_policy="recompute"` vLLM computes those tokens itself: never a wrong answer.
+
+This module imports vLLM; the rest of ctxrelay never imports it (an install without vLLM loses nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ctxrelay.engines.kv_payload import KVPayload
+from ctxrelay.engines.paged import claimable, slot_mapping
+from ctxrelay.errors import CtxrelayError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+PARAM = "ctxrelay_kv"  # the kv_transfer_params key naming the file
+LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class Load:
+    req_id: str
+    path: str
+    tenant: str
+    token_ids: list[int]
+    start: int  # first position to write (the prefix cache may hold the ones before)
+    end: int  # one past the last claimed position
+    block_ids: list[int]
+
+
+@dataclass
+class CtxrelayMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+
+
+class CtxrelayConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.block_size = vllm_config.cache_config.block_size
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.weights_hash = str(extra.get("weights_hash", ""))
+        self._claimed: dict[str, tuple[dict, int, int]] = {}  # scheduler: req id -> (params, start, end)
+        self._load_errors: set[int] = set()  # worker: blocks whose load failed
+
+    # ---- scheduler side ------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = (request.kv_transfer_params or {}) if hasattr(request, "kv_transfer_params") else {}
+        if not params.get(PARAM):
+            return 0, False
+        end = claimable(int(params.get("tokens", 0)), len(request.prompt_token_ids or []), self.block_size)
+        if end <= num_computed_tokens:
+            return 0, False
+        self._claimed[request.request_id] = (params, num_computed_tokens, end)
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            self._claimed.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = CtxrelayMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            claim = self._claimed.pop(new.req_id, None)
+            if claim is None:
+                continue
+            params, start, end = claim
+            prompt = list(new.prompt_token_ids or [])
+            meta.loads.append(
+                Load(new.req_id, str(params[PARAM]), str(params.get("tenant", "")), prompt, start, end,
+                     list(new.block_ids[0]))
+            )  # fmt: skip
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._claimed.pop(request.request_id, None)
+        return False, None
+
+    # ---- worker side ---------------------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CtxrelayMetadata)
+        for load in meta.loads:
+            try:
+                payload = KVPayload.load(load.path, load.token_ids, self.weights_hash, load.tenant)
+                self._write(forward_context, load, payload)
+            except (CtxrelayError, OSError, KeyError, IndexError, ValueError) as e:
+                log.warning("ctxrelay K/V for request %s not loaded (%s): the engine computes it", load.req_id, e)
+                first, last = load.start // self.block_size, (load.end - 1) // self.block_size
+                self._load_errors.update(load.block_ids[first : last + 1])
+
+    def _write(self, forward_context: ForwardContext, load: Load, payload: KVPayload) -> None:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        slots = slot_mapping(load.block_ids, load.start, load.end, self.block_size)
+        for name, layer in forward_context.no_compile_layers.items():
+            kv_cache = getattr(layer, "kv_cache", None)
+            found = LAYER_INDEX.search(name)
+            if kv_cache is None or found is None:
+                continue
+            if isinstance(kv_cache, list | tuple):
+                kv_cache = kv_cache[0]
+            i = int(found.group(1))
+            num_blocks, kv_heads, block_size, fused = kv_cache.shape
+            key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, block_size * 2, fused // 2).chunk(2, dim=2)
+            k = payload.keys[i][load.start : load.end].to(kv_cache.dtype)
+            v = payload.values[i][load.start : load.end].to(kv_cache.dtype)
+            isa = getattr(layer, "isa", None) or _get_attn_isa(kv_cache.dtype, block_size, fused // 2)
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

@@ -1,0 +1,126 @@
+"""ctxrelay inside vLLM: the K/V file the connector loads (bindings, refusals), the paged-cache arithmetic,
+and the connector against vLLM's CPU build itself (`make vllm` makes its venv; skipped with the reason
+where that venv is missing or vLLM cannot run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from ctxrelay.engines.kv_payload import KVPayload
+from ctxrelay.engines.paged import claimable, slot_mapping
+from ctxrelay.errors import BindingError
+from ctxrelay.models import runner
+from ctxrelay.models.tiny import tiny_model, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("CTXRELAY_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+CHECKS = Path(__file__).with_name("vllm_relay_checks.py")
+
+
+def test_claims_whole_blocks_and_leaves_the_last_prompt_token():
+    assert claimable(199, 200, 16) == 192
+    assert claimable(300, 200, 16) == 192  # never past the prompt's last token
+    assert claimable(15, 200, 16) == 0
+    assert claimable(64, 65, 16) == 64
+    assert claimable(64, 64, 16) == 48
+
+
+def test_slot_mapping_follows_the_block_table():
+    slots = slot_mapping([7, 2, 9], 0, 40, 16)
+    assert slots[:16].tolist() == list(range(112, 128))
+    assert slots[16:32].tolist() == list(range(32, 48))
+    assert slots[32:].tolist() == list(range(144, 152))
+    assert slot_mapping([7, 2, 9], 20, 24, 16).tolist() == [36, 37, 38, 39]
+
+
+@pytest.fixture(scope="module")
+def payload_file(tmp_path_factory):
+    m = tiny_model("llama", layers=2)
+    ids = m.tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
+    cache = runner.forward(m, torch.tensor(ids), logits="none").cache
+    p = KVPayload.from_cache(cache, ids, m.spec.weights_hash, "acme", exact=True)
+    return m, ids, cache, p.save(tmp_path_factory.mktemp("kv") / "kv.safetensors")
+
+
+def test_payload_round_trips_the_runner_cache_in_the_engine_layout(payload_file):
+    m, ids, cache, path = payload_file
+    got = KVPayload.load(path, [*ids, 5, 6], m.spec.weights_hash, "acme")
+    assert got.tokens == len(ids) and got.exact
+    k, v = cache.view(1, len(ids))
+    assert got.keys[1].shape == (len(ids), m.spec.num_kv_heads, m.spec.head_dim)
+    assert got.keys[1].dtype == torch.bfloat16
+    torch.testing.assert_close(got.keys[1].float(), k[0].transpose(0, 1), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.values[1].float(), v[0].transpose(0, 1), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [({"tenant": "globex"}, "another tenant"), ({"weights": "0" * 64}, "other weights"),
+     ({"ids": "edit"}, "other tokens"), ({"ids": "short"}, "other tokens")],
+)  # fmt: skip
+def test_payload_is_refused_for_another_tenant_model_or_prompt(payload_file, change, message):
+    m, ids, _, path = payload_file
+    prompt = list(ids)
+    if change.get("ids") == "edit":
+        prompt[3] += 1
+    if change.get("ids") == "short":
+        prompt = prompt[:-2]
+    with pytest.raises(BindingError, match=message):
+        KVPayload.load(path, prompt, change.get("weights", m.spec.weights_hash), change.get("tenant", "acme"))
+
+
+def _vllm_missing() -> str | None:
+    if not VLLM_PYTHON.exists():
+        return f"no vLLM venv at {VLLM_PYTHON} (`make vllm` makes it)"
+    res = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    return None if res.returncode == 0 else f"vLLM does not import here: {res.stderr.strip().splitlines()[-1:]}"
+
+
+def _engine_checks(model_dir: Path, out: Path, tokens: int) -> list[dict]:
+    missing = _vllm_missing()
+    if missing:
+        pytest.skip(missing)
+    res = subprocess.run(
+        [str(VLLM_PYTHON), str(CHECKS), str(model_dir), str(out), "--tokens", str(tokens)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert out.exists(), f"the engine checks wrote nothing (exit {res.returncode}):\n{res.stderr[-4000:]}"
+    rows = json.loads(out.read_text())["rows"]
+    failed = [r for r in rows if not r["passed"]]
+    assert not failed, json.dumps(failed, indent=1)
+    return rows
+
+
+def tiny_engine_model(path: Path) -> Path:
+    """A random llama the engine accepts (head_dim 64), saved as an HF directory with its tokenizer; weights
+    scaled so greedy margins stand well above bf16 rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = tiny_tokenizer("bytelevel")
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, initializer_range=0.2,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False, torch_dtype="float32",
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_tiny_model_relaying_its_own_kv_through_vllm_matches_native(tmp_path):
+    _engine_checks(tiny_engine_model(tmp_path / "tiny"), tmp_path / "checks.json", tokens=200)
+
+
+@pytest.mark.real
+def test_zoo_model_relaying_its_own_kv_through_vllm_matches_native(tmp_path):
+    from ctxrelay import zoo
+
+    _engine_checks(zoo.pull("smollm2-135m"), tmp_path / "checks.json", tokens=1024)
