@@ -50,6 +50,7 @@ vllm:
 
 # The whole suite: lint, fast tests on tiny models, and the `real` tests on the zoo models.
 test: dev zoo
+	-$(MAKE) --no-print-directory vllm  # where it cannot install, the engine tests skip and say why
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest -q --durations=15
 

@@ -28,11 +28,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+except ImportError as e:  # the one module of ctxrelay that needs the engine
+    raise ImportError(f"ctxrelay's vLLM connector needs vLLM: pip install 'ctxrelay[vllm]' or `make vllm` ({e})") from e
 
 from ctxrelay.engines.kv_payload import KVPayload
 from ctxrelay.engines.paged import claimable, slot_mapping
