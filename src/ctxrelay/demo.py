@@ -271,6 +271,8 @@ def _row(cfg: DemoConfig, state, receiver: str, native: RelayResult, relay: Rela
         "receiver": receiver,
         "context_tokens": relay.context_tokens,
         "sender_tokens": state.num_tokens,
+        "engine": "ctxrelay-runner",  # what native prefill and the relay were timed on
+        "precision": "fp32",
         "native_ttft_s": native.ttft_s,
         "relay_ttft_s": relay.ttft_s,
         "speedup": native.ttft_s / relay.ttft_s,
