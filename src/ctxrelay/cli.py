@@ -196,20 +196,22 @@ def calibrate(
 BENCH_GROUP = "ctxrelay.benches"  # entry points of the bench distribution (benchmarks/pyproject.toml)
 
 
-def bench_names() -> list[str]:
+def _benches() -> dict:
     from importlib.metadata import entry_points
 
-    return sorted(ep.name for ep in entry_points(group=BENCH_GROUP))
+    return {ep.name: ep for ep in entry_points(group=BENCH_GROUP)}
+
+
+def bench_names() -> list[str]:
+    return sorted(_benches())
 
 
 def bench_module(name: str):
     """The benchmark module `name`, found through the bench distribution's entry points: the library
     ships no benchmark and never imports that distribution by name."""
-    from importlib.metadata import entry_points
-
     from ctxrelay.errors import UsageError
 
-    found = {ep.name: ep for ep in entry_points(group=BENCH_GROUP)}
+    found = _benches()
     if not found:
         raise UsageError(
             "the benchmarks are a distribution of their own: install it with `pip install -e benchmarks` "
