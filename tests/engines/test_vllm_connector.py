@@ -122,3 +122,21 @@ def test_tiny_model_relaying_its_own_kv_through_vllm_matches_native(tmp_path):
 @pytest.mark.real
 def test_zoo_model_relaying_its_own_kv_through_vllm_matches_native(tmp_path):
     _engine_checks("smollm2-135m", tmp_path / "checks.json", tokens=1024)
+
+
+@pytest.mark.real
+def test_a_cross_family_relay_served_by_vllm_answers_as_native(tmp_path):
+    """smollm2-135m reads an essay with a planted fact; heterofold (f = 0.2, no hiding) builds gemma3-270m's
+    cache; the connector loads it and vLLM answers the question: right, as vLLM's own prefill is."""
+    missing = _vllm_missing()
+    if missing:
+        pytest.skip(missing)
+    out = tmp_path / "cross.json"
+    script = CHECKS.with_name("vllm_cross_relay.py")
+    res = subprocess.run(
+        [str(VLLM_PYTHON), str(script), "smollm2-135m", "gemma3-270m", str(out), "--tokens", "2048", "--cases", "1"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert out.exists(), f"the cross relay wrote nothing (exit {res.returncode}):\n{res.stderr[-4000:]}"
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["native_right"] and row["relay_right"], row
