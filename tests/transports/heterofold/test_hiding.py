@@ -21,7 +21,7 @@ from ctxrelay.transports.heterofold.hiding import (
 )
 from ctxrelay.transports.heterofold.recompute.recompute_pass import recompute
 from ctxrelay.transports.heterofold.recompute.rules import select
-from ctxrelay.transports.heterofold.recompute.settings import parse_setting, setting_key
+from ctxrelay.transports.heterofold.recompute.settings import Setting
 from ctxrelay.transports.heterofold.transfer import assemble_cache, translated_mask
 
 TOL = 1e-4
@@ -37,8 +37,8 @@ def test_hide_values_parse_label_and_order():
     assert [hide_label(x) for x in (0, 12, "global")] == ["", "hide12", "hideglobal"]
     assert sorted(["global", 12, 0, 6], key=hide_order) == [0, 6, 12, "global"]
     for n, hide in ((4096, 0), (4096, 12), (2048, "global")):  # settings keys round-trip
-        assert parse_setting(setting_key(n, hide)) == (n, hide)
-    assert setting_key(4096, "global") == "4096+hideglobal"
+        assert Setting.parse(Setting(n, hide).key) == (n, hide)
+    assert Setting(4096, "global").key == "4096+hideglobal"
     assert sorted([(0.1, 4096, "global"), (0.1, 4096, 12), (0.1, 2048, 0)], key=hide_last) == [
         (0.1, 2048, 0), (0.1, 4096, 12), (0.1, 4096, "global")]  # fmt: skip
     assert [point_label(0.12, "mix", h) for h in (0, 12, "global")] == [

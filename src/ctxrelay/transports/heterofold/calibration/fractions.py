@@ -29,7 +29,7 @@ from ctxrelay.transports.heterofold.calibration import heldout
 from ctxrelay.transports.heterofold.hiding import Hide, hide_code, hide_last
 from ctxrelay.transports.heterofold.recompute.estimate import estimate
 from ctxrelay.transports.heterofold.recompute.recompute_pass import SIGNALS
-from ctxrelay.transports.heterofold.recompute.settings import parse_setting, row_tokens, setting_key
+from ctxrelay.transports.heterofold.recompute.settings import Setting, row_tokens
 from ctxrelay.transports.heterofold.transfer import relay_prefill
 
 DEFAULT_RULE = "mix"
@@ -53,7 +53,7 @@ def fit_estimate(rows: list[dict], cross_validate: bool = True) -> dict:
                 continue
             rhos.append(float(spearmanr([x for x, _ in part], [y for _, y in part]).statistic))
             mx, my = sum(x for x, _ in part) / len(part), sum(y for _, y in part) / len(part)
-            settings.setdefault(setting_key(g[1], g[2]), {})[str(g[0])] = [mx, my]
+            settings.setdefault(Setting(g[1], g[2]).key, {})[str(g[0])] = [mx, my]
             xs += [x - mx for x, _ in part]
             ys += [y - my for _, y in part]
         if not rhos or not any(xs):
@@ -62,7 +62,7 @@ def fit_estimate(rows: list[dict], cross_validate: bool = True) -> dict:
         slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
         if best is None or abs(rho) > abs(best["spearman"]):
             # the first setting: what readers without per-setting centres use
-            first = settings[min(settings, key=lambda k: hide_last(parse_setting(k)))]
+            first = settings[min(settings, key=lambda k: hide_last(Setting.parse(k)))]
             best = {"signal": sig, "slope": slope, "centres": first, "spearman": rho, "texts": len(xs)}
             if len(settings) > 1:
                 best["lengths"] = settings
@@ -157,6 +157,6 @@ def estimate_entry(rows: list[dict], rule: str) -> dict:
     est = fit_estimate(part)
     if not est:
         return {}
-    by = {setting_key(n, h): fit_estimate([r for r in part if _group(r)[1:] == (n, h)])
+    by = {Setting(n, h).key: fit_estimate([r for r in part if _group(r)[1:] == (n, h)])
           for n, h in sorted({_group(r)[1:] for r in part}, key=hide_last)}  # fmt: skip
     return {**est, "rule": rule, "by_setting": {k: {**v, "rule": rule} for k, v in by.items() if v}}

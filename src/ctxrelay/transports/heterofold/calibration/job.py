@@ -294,22 +294,21 @@ def _drop_fractions(art: Artifact, stage: dict, fractions: list[float]) -> None:
 
 
 def _drop_settings(art: Artifact, stage: dict, keys: list[str]) -> None:
-    """Drop the points measured at these settings (setting_key: "4096", "2048+hide12", "4096+hideglobal")
+    """Drop the points measured at these settings (Setting.key: "4096", "2048+hide12", "4096+hideglobal")
     from the recompute table, its rows and runs, and the fact entries, rows and runs at those settings
     (f = 0 stays): e.g. the unhidden points at 4096 once points hiding the full-attention layers replace
     them there. A point measured at other settings too keeps those."""
     from ctxrelay.transports.heterofold.recompute.settings import (
-        parse_setting,
-        setting_key,
+        Setting,
         stage_setting,
         with_setting,
     )
 
     table = with_setting(art.quality.get("recompute", []), *stage_setting(stage))
     have = {(q["tokens"], q["hide_translated"]) for q in table if q["f"]}
-    drop = {parse_setting(k) for k in keys}
+    drop = {Setting.parse(k) for k in keys}
     if drop - have:
-        known = ", ".join(setting_key(*h) for h in sorted(have, key=hide_last))
+        known = ", ".join(Setting(*h).key for h in sorted(have, key=hide_last))
         raise UsageError(f"--set drop= must list settings the recompute stage measured: it has {known}")
 
     def gone(x: dict) -> bool:
@@ -317,7 +316,7 @@ def _drop_settings(art: Artifact, stage: dict, keys: list[str]) -> None:
 
     art.quality["recompute"] = [q for q in table if not gone(q)]
     stage["rows"] = [x for x in with_setting(stage.get("rows", []), *stage_setting(stage)) if not gone(x)]
-    stage["lengths"] = {k: v for k, v in (stage.get("lengths") or {}).items() if parse_setting(k) not in drop}
+    stage["lengths"] = {k: v for k, v in (stage.get("lengths") or {}).items() if Setting.parse(k) not in drop}
     facts_stage = art.params.get("facts_stage")
     if facts_stage:
         at = stage_setting(facts_stage, "facts_tokens")
@@ -380,9 +379,9 @@ def _recompute_runs(stage: dict) -> list[dict]:
 
 
 def _run_key(run: dict) -> str:
-    from ctxrelay.transports.heterofold.recompute.settings import setting_key
+    from ctxrelay.transports.heterofold.recompute.settings import Setting
 
-    return setting_key(run["recompute_tokens"], run["hide_layers"])
+    return Setting(run["recompute_tokens"], run["hide_layers"]).key
 
 
 def _add_facts_stage(s, r, art: Artifact, opts: dict, command: str, hide: Hide | None = None) -> None:

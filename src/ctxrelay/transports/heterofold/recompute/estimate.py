@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ctxrelay.metrics import log_length_weight, nearest_length
 from ctxrelay.transports.heterofold.hiding import Hide, hide_code
-from ctxrelay.transports.heterofold.recompute.settings import parse_setting, row_tokens
+from ctxrelay.transports.heterofold.recompute.settings import Setting, row_tokens
 
 # the gate acts on a per-request estimate only where it ranked calibration texts left out of its fit at
 # least this well (Spearman at a fixed f; faithful.left_out_spearman). Measured: kv_change at 0.33 in sample
@@ -19,7 +19,7 @@ MIN_ESTIMATE_RHO = 0.5
 def estimate(model: dict | None, info: dict) -> float | None:
     """Predicted top-1 agreement of THIS request (faithful.fit_estimate): the calibrated mean at the
     request's fraction, length and hiding plus the slope times how far its signal lies from that mean.
-    Where the stage ran at several settings (model["lengths"], keyed by setting_key), both means come
+    Where the stage ran at several settings (model["lengths"], keyed by Setting.key), both means come
     from the settings with the request's hiding, interpolated linearly in log-length between the
     calibrated lengths around the request's context_tokens (the nearest outside them). None where the
     artifact has no estimate or the signal was not measured. Where the stage fitted one estimate per
@@ -39,7 +39,7 @@ def estimate(model: dict | None, info: dict) -> float | None:
 
 def estimate_model(model: dict | None, tokens: int | None, hide: Hide = 0) -> dict | None:
     """The estimate that judges a request of `tokens` context tokens hiding `hide` layers. Where the stage
-    fitted one per setting (model["by_setting"], keyed by setting_key): that of the request's hiding at
+    fitted one per setting (model["by_setting"], keyed by Setting.key): that of the request's hiding at
     the calibrated length nearest its own in log-length (the gate's nearest-length rule; the shortest
     when no length is given), None where its hiding has none. Otherwise the one pooled estimate."""
     if not model or "by_setting" not in model:
@@ -53,8 +53,9 @@ def _centre(centres: dict, f: float) -> list[float]:
 
 
 def _by_length(settings: dict, hide: Hide | None = None) -> dict:
-    """Per-setting entries (keyed by setting_key) of one hiding (None: all), keyed by their length."""
-    return {parse_setting(k)[0]: v for k, v in settings.items() if hide is None or parse_setting(k)[1] == hide}
+    """Per-setting entries (keyed by Setting.key) of one hiding (None: all), keyed by their length."""
+    parsed = {k: Setting.parse(k) for k in settings}
+    return {parsed[k].tokens: v for k, v in settings.items() if hide is None or parsed[k].hide == hide}
 
 
 def _centre_at(by_len: dict, f: float, n: int) -> tuple[float, float]:

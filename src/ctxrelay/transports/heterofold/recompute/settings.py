@@ -1,5 +1,5 @@
 """The settings a recompute or fact stage measured at: context length and hiding. A stage's entries are
-keyed by setting_key ("4096", "4096+hide12", "4096+hideglobal"); entries made before a stage kept
+keyed by Setting.key ("4096", "4096+hide12", "4096+hideglobal"); entries made before a stage kept
 several settings carry none and were measured at the stage's own (stage_setting).
 """
 
@@ -28,14 +28,6 @@ class Setting(NamedTuple):
     def parse(cls, key: str) -> Setting:
         n, _, hide = key.partition("+hide")
         return cls(int(n), hide_code(hide))
-
-
-def setting_key(tokens: int, hide: Hide) -> str:
-    return Setting(tokens, hide).key
-
-
-def parse_setting(key: str) -> Setting:
-    return Setting.parse(key)
 
 
 def row_tokens(row: dict, default: int = 2048) -> int:
