@@ -14,7 +14,6 @@ records how long the run took from its start (`FirstRun`: benchmarks/results/dem
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.relay.api import ModelPool, RelayResult
 from ctxrelay.relay.gate import DEFAULT_QUALITY
 from ctxrelay.relay.profile import point_label, profile_pool, request_needs, unmeasured, unprofiled
-from ctxrelay.results import git_commit, machine_facts, validate_rows
+from ctxrelay.results import machine_facts, validate_rows, write_results
 
 DEFAULT_SENDER = "qwen2.5-coder-1.5b"
 DEFAULT_RECEIVERS = ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m")
@@ -243,23 +242,9 @@ def profile_request(cfg: DemoConfig, pool: ModelPool, prompt: str, console: Cons
 
 def write_firstrun(path: Path, command: str, rows: list[dict], times: dict, extra: dict) -> Path:
     """The first-run record (the results-file schema: command, machine, rows; then the times and the CPU)."""
-    validate_rows(rows)
     facts = machine_facts()
-    doc = {"command": command, "machine": facts, "rows": rows, **times, "cpu_model": facts["cpu_model"],
-           "isa": facts["isa"], **extra}  # fmt: skip
-    root = paths.repo_root()
-    commit = git_commit(root) if root else None
-    if commit:
-        doc["git_commit"] = commit
-    doc["written"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-    except ValueError as e:  # a non-finite number
-        raise UsageError(f"first-run record not written: {e}") from None
-    tmp.replace(path)
-    return path
+    return write_results(path, rows, command, {**times, "cpu_model": facts["cpu_model"], "isa": facts["isa"], **extra},
+                         machine=facts)  # fmt: skip
 
 
 def _row(cfg: DemoConfig, state, receiver: str, native: RelayResult, relay: RelayResult, gold: str | None) -> dict:

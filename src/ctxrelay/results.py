@@ -124,10 +124,11 @@ def validate_rows(rows: list[dict]) -> None:
 
 
 def write_results(
-    name: str, rows: list[dict], command: str, extra: dict | None = None, machine: dict | None = None
+    name: str | Path, rows: list[dict], command: str, extra: dict | None = None, machine: dict | None = None
 ) -> Path:
-    """Write benchmarks/results/NAME.json (or $CTXRELAY_RESULTS_DIR/NAME.json) atomically. `machine`:
-    the facts of the machine that measured the rows, where this process only re-derives tables."""
+    """Write benchmarks/results/NAME.json (or $CTXRELAY_RESULTS_DIR/NAME.json; NAME may also be a .json path)
+    atomically. `machine`: the facts of the machine that measured the rows, where this process only re-derives
+    tables."""
     if not command or not isinstance(command, str):
         raise UsageError("write_results needs the exact command that reproduces the rows")
     validate_rows(rows)
@@ -136,7 +137,7 @@ def write_results(
     if clash:
         raise UsageError(f"extra may not override {clash}: they are written by write_results itself")
     _check_value("extra", extra)
-    path = results_path(name)
+    path = results_file(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"command": command, "machine": machine or machine_facts(), "rows": list(rows)}
     root = repo_root()
