@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -23,8 +22,6 @@ import uuid
 from pathlib import Path
 
 import torch
-
-CONNECTOR = "ctxrelay.engines.vllm_connector"
 
 
 def main() -> int:
@@ -39,19 +36,19 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--results", default="", help="also write benchmarks/results/NAME.json (machine facts, ISA)")
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
-
     from vllm import LLM, SamplingParams
+    from vllm_relay_checks import write_engine_results  # this folder: the script beside this one
 
     from ctxrelay import paths, transports, zoo
     from ctxrelay.artifact import Artifact
     from ctxrelay.data.datasets import essay_haystack
     from ctxrelay.data.needle import first_answer_line, make_needle_case, score_answer
     from ctxrelay.engines.kv_payload import KVPayload
+    from ctxrelay.engines.vllm_connector import cpu_engine_env, transfer_config, transfer_params
     from ctxrelay.models.capture import capture_state
     from ctxrelay.models.tokens import suffix_ids, tokenize_context
 
+    cpu_engine_env(2)
     sender, receiver = zoo.load(args.sender), zoo.load(args.receiver)
     heterofold = transports.get("heterofold")
     art = Artifact.load(paths.find_artifact("heterofold", args.sender, args.receiver))
@@ -76,15 +73,11 @@ def main() -> int:
     llm = LLM(
         model=str(zoo.pull(args.receiver)), dtype=args.dtype, enforce_eager=True, enable_prefix_caching=True,
         max_model_len=args.tokens + 256, skip_tokenizer_init=True, seed=0,
-        kv_transfer_config={
-            "kv_connector": "CtxrelayConnector", "kv_connector_module_path": CONNECTOR, "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"weights_hash": receiver.spec.weights_hash},
-        },
+        kv_transfer_config=transfer_config(receiver.spec.weights_hash),
     )  # fmt: skip
 
     def generate(ids: list[int], n: int, kv: tuple[Path, int] | None = None) -> tuple[list[int], float]:
-        extra = {"kv_transfer_params": {"ctxrelay_kv": str(kv[0]), "tokens": kv[1], "tenant": tenant}} if kv else None
+        extra = transfer_params(*kv, tenant) if kv else None
         sp = SamplingParams(max_tokens=n, temperature=0.0, detokenize=False, extra_args=extra)
         t = time.perf_counter()
         got = llm.generate([{"prompt_token_ids": ids, "cache_salt": uuid.uuid4().hex}], sp, use_tqdm=False)[0]
@@ -112,15 +105,8 @@ def main() -> int:
         print(json.dumps(rows[-1]))
     Path(args.out).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     if args.results:
-        import shlex
-
-        import vllm
-
-        from ctxrelay.results import write_results
-
-        command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-        extra = {"vllm": vllm.__version__, "timing": "single calls after one warm-up: indicative, not a benchmark"}
-        write_results(args.results, rows, command, extra)
+        timing = "single calls after one warm-up: indicative, not a benchmark"
+        write_engine_results(args.results, rows, {"timing": timing})
     return 0
 
 

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-CONNECTOR = "ctxrelay.engines.vllm_connector"
 
 
 def prompt_ids(m, n: int) -> list[int]:
@@ -73,16 +70,15 @@ def main() -> int:
     ap.add_argument("--results", default="", help="also write benchmarks/results/NAME.json (machine facts, ISA)")
     ap.add_argument("--runner-dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
-
     from vllm import LLM, SamplingParams
 
     from ctxrelay import zoo
     from ctxrelay.engines.kv_payload import KVPayload
+    from ctxrelay.engines.vllm_connector import cpu_engine_env, transfer_config, transfer_params
     from ctxrelay.models import runner
 
     model_dir = str(zoo.pull(args.model)) if args.model in zoo.ZOO else args.model
+    cpu_engine_env(1)
     m = zoo.load(model_dir, dtype=getattr(torch, args.runner_dtype))
     ids = prompt_ids(m, args.tokens)
     context = ids[:-1]
@@ -98,17 +94,13 @@ def main() -> int:
     llm = LLM(
         model=model_dir, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=True,
         max_model_len=max(512, args.tokens + args.new_tokens + 16), skip_tokenizer_init=True, seed=0,
-        kv_transfer_config={
-            "kv_connector": "CtxrelayConnector", "kv_connector_module_path": CONNECTOR, "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"weights_hash": m.spec.weights_hash},
-        },
+        kv_transfer_config=transfer_config(m.spec.weights_hash),
     )  # fmt: skip
 
     def run(salt: str, kv: Path | None = None, tenant: str = args.tenant) -> tuple[list[int], float, int]:
-        extra = {"kv_transfer_params": {"ctxrelay_kv": str(kv), "tokens": len(context), "tenant": tenant}}
+        extra = transfer_params(kv, len(context), tenant) if kv else None
         sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
-                            logprobs=2, extra_args=extra if kv else None)  # fmt: skip
+                            logprobs=2, extra_args=extra)  # fmt: skip
         t = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": ids, "cache_salt": salt}], sp, use_tqdm=False)[0]
         gaps.setdefault(salt, [_gap(step) for step in out.outputs[0].logprobs or []])
@@ -137,17 +129,22 @@ def main() -> int:
         r["engine"] = "vllm"
     Path(args.out).write_text(json.dumps({"model": m.spec.name, "rows": rows}, indent=1) + "\n")
     if args.results:
-        import shlex
-
-        import vllm
-
-        from ctxrelay.results import write_results
-
-        command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-        extra = {"model": m.spec.name, "engine": "vllm", "engine_mode": "eager", "vllm": vllm.__version__,
-                 "precision": "bf16", "runner_dtype": args.runner_dtype}  # fmt: skip
-        write_results(args.results, rows, command, extra)
+        extra = {"model": m.spec.name, "engine": "vllm", "engine_mode": "eager", "precision": "bf16",
+                 "runner_dtype": args.runner_dtype}  # fmt: skip
+        write_engine_results(args.results, rows, extra)
     return 0 if all(r["passed"] for r in rows) else 1
+
+
+def write_engine_results(name: str, rows: list[dict], extra: dict) -> None:
+    """benchmarks/results/NAME.json (machine facts, ISA) with this script's command and vLLM's version."""
+    import shlex
+
+    import vllm
+
+    from ctxrelay.results import write_results
+
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    write_results(name, rows, command, {**extra, "vllm": vllm.__version__})
 
 
 if __name__ == "__main__":

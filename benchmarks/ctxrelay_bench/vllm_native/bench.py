@@ -14,9 +14,6 @@ token count in each model's tokenizer. Runs inside vLLM's venv (`make vllm`):
 from __future__ import annotations
 
 import gc
-import os
-import statistics
-import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +23,7 @@ import torch
 from ctxrelay import zoo
 from ctxrelay.errors import UsageError
 from ctxrelay.results import write_results
+from ctxrelay.timing import median_time
 from ctxrelay.transports.base import keys_from
 from ctxrelay_bench.native.bench import essay_ids, model_names, native_ttft
 from ctxrelay_bench.runs import bench_options
@@ -43,16 +41,6 @@ TUNING_KEYS = keys_from(
 SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 
 
-def _median_s(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def engine_rows(model_dir: str, prompts: dict[int, list[int]], dtype: str, compiled: bool, repeats: int) -> list:
     """One engine started for (model, dtype, mode): cold and prefix-hit TTFT at every length."""
     from vllm import LLM, SamplingParams
@@ -67,9 +55,9 @@ def engine_rows(model_dir: str, prompts: dict[int, list[int]], dtype: str, compi
     out = []
     call(prompts[min(prompts)], "warm-up")
     for n, ids in sorted(prompts.items()):
-        cold = _median_s(lambda ids=ids: call(ids, uuid.uuid4().hex), repeats)
+        cold = median_time(lambda ids=ids: call(ids, uuid.uuid4().hex), repeats)[0]
         salt = uuid.uuid4().hex
-        hit = _median_s(lambda ids=ids, salt=salt: call(ids, salt), repeats)  # its warm-up fills the cache
+        hit = median_time(lambda ids=ids, salt=salt: call(ids, salt), repeats)[0]  # its warm-up fills the cache
         out.append({"context_tokens": n, "engine_native_ttft_s": cold, "engine_prefix_hit_ttft_s": hit})
     _shutdown(llm)
     return out
@@ -98,8 +86,9 @@ def bench(
         import vllm
     except ImportError:
         raise UsageError("bench vllm-native runs in vLLM's venv: `make vllm`, then .venv-vllm/bin/ctxrelay") from None
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts["kv_space_gib"]))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    from ctxrelay.engines.vllm_connector import cpu_engine_env
+
+    cpu_engine_env(float(opts["kv_space_gib"]))
     mode = "compiled" if opts["compiled"] else "eager"
     rows = []
     for name in model_names(model or "smollm2-135m"):
@@ -109,7 +98,7 @@ def bench(
         if opts["runner"]:
             for n, ids in prompts.items():
                 t = torch.tensor(ids)
-                runner_s[n] = _median_s(lambda m=m, t=t: native_ttft(m, t), repeats)
+                runner_s[n] = median_time(lambda m=m, t=t: native_ttft(m, t), repeats)[0]
         model_dir = str(zoo.pull(name))
         for dtype in str(opts["precisions"]).split(","):
             for r in engine_rows(model_dir, prompts, dtype, bool(opts["compiled"]), repeats):

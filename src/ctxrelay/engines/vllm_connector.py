@@ -2,13 +2,8 @@
 receiver cache ctxrelay built (a relay through any transport, or a model's own exact K/V) written into
 vLLM's paged cache, and vLLM computes only the rest of the prompt.
 
-Load it from outside vLLM:
-
-    LLM(model=..., kv_transfer_config={"kv_connector": "CtxrelayConnector", "kv_role": "kv_both",
-        "kv_connector_module_path": "ctxrelay.engines.vllm_connector",
-        "kv_connector_extra_config": {"weights_hash": <ctxrelay's hash of these weights>}})
-
-and send `SamplingParams(extra_args={"kv_transfer_params": {"ctxrelay_kv": PATH, "tenant": T}})` with a
+Load it from outside vLLM, `LLM(model=..., kv_transfer_config=transfer_config(weights_hash))` (ctxrelay's
+hash of these weights), and send `SamplingParams(extra_args=transfer_params(path, tokens, tenant))` with a
 `cache_salt` derived from tenant and relay, so that approximate K/V never satisfies a later exact lookup
 of the engine's prefix cache. Scheduler side: claim the file's tokens, whole blocks only and never the
 prompt's last token (vLLM computes at least one). Worker side: write them through the engine's own
@@ -23,8 +18,10 @@ This module imports vLLM; the rest of ctxrelay never imports it (an install with
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,6 +52,27 @@ PARAM = "ctxrelay_kv"  # the kv_transfer_params key naming the file
 LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
+def transfer_config(weights_hash: str) -> dict:
+    """vLLM's `kv_transfer_config` that loads this connector for a model of these weights; a load that fails
+    is recomputed by the engine."""
+    return {
+        "kv_connector": "CtxrelayConnector", "kv_connector_module_path": __name__, "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"weights_hash": weights_hash},
+    }  # fmt: skip
+
+
+def transfer_params(path: str | Path, tokens: int, tenant: str) -> dict:
+    """`SamplingParams.extra_args` of a request whose first `tokens` prompt tokens come from the file at `path`."""
+    return {"kv_transfer_params": {PARAM: str(path), "tokens": tokens, "tenant": tenant}}
+
+
+def cpu_engine_env(kv_space_gib: float) -> None:
+    """What vLLM's CPU build needs on a small machine, unless set already: the paged cache's size, and its
+    OpenMP threads bound to every core (auto binding reserves cores for the scheduler)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_space_gib:g}")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+
+
 @dataclass
 class Load:
     req_id: str
@@ -83,7 +101,7 @@ class CtxrelayConnector(KVConnectorBase_V1):
     # ---- scheduler side ------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        params = (request.kv_transfer_params or {}) if hasattr(request, "kv_transfer_params") else {}
+        params = request.kv_transfer_params or {}
         if not params.get(PARAM):
             return 0, False
         end = claimable(int(params.get("tokens", 0)), len(request.prompt_token_ids or []), self.block_size)
