@@ -175,7 +175,7 @@ def calibrate(
     if not name:
         raise UsageError(f"name the transport: `ctxrelay calibrate TRANSPORT` ({', '.join(transports.names())})")
     t = transports.get(name)
-    declared = t.tuning_keys()
+    declared = t.tuning_keys() if hasattr(t, "tuning_keys") else []
     if keys:
         _print_keys(f"ctxrelay calibrate {name} --set KEY=VALUE", declared)
         return
