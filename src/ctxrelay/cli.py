@@ -417,9 +417,22 @@ def serve(
     max_tokens: int = typer.Option(1024, envvar="CTXRELAY_MAX_TOKENS", help="largest max_tokens a request may ask"),
     graceful: float = typer.Option(30.0, envvar="CTXRELAY_GRACEFUL_S", help="seconds in-flight requests get at exit"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
+    engine: str = typer.Option(
+        "native", envvar="CTXRELAY_ENGINE", help="native (ctxrelay's runner) | vllm (one vLLM engine per model)"
+    ),
+    engine_mode: str = typer.Option("eager", help="vLLM: eager (starts in 25-40 s) | compiled (its default, ~80 s)"),
+    engine_dtype: str = typer.Option(
+        "auto", help="vLLM: auto (bf16 with AVX512-bf16/AMX, else fp32) | float32 | bfloat16"
+    ),
+    engine_kv_gib: float = typer.Option(2.0, help="vLLM: GiB of paged KV cache per engine"),
+    engine_profile_lengths: str = typer.Option(
+        "2048,4096", help="vLLM: context lengths the gate's engine costs are measured at (once per machine)"
+    ),
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) with conversations
     that move between models, plus /prefill, /continue, /graph, /models, /healthz and /metrics."""
+    from ctxrelay.engines.vllm_server import EngineConfig
+    from ctxrelay.errors import UsageError
     from ctxrelay.relay.api import ModelPool
     from ctxrelay.serve.app import Settings
     from ctxrelay.serve.app import serve as run_server
@@ -429,11 +442,20 @@ def serve(
     digests = load_keys(keys or None)
     check_exposure(host, digests)  # before loading models: a refused start costs nothing
     set_threads(threads or None)
-    pool = ModelPool([m for m in models.split(",") if m], store=store, quality_threshold=quality_threshold)
+    if engine not in ("native", "vllm") or engine_mode not in ("eager", "compiled"):
+        raise UsageError("--engine is native or vllm, --engine-mode eager or compiled")
+    pool = ModelPool(
+        [m for m in models.split(",") if m], store=store, quality_threshold=quality_threshold, engine=engine != "native"
+    )
     limits = Limits(default_max_tokens=min(64, max_tokens), max_tokens=max_tokens)
+    config = EngineConfig(
+        dtype=engine_dtype, compiled=engine_mode == "compiled", kv_space_gib=engine_kv_gib,
+        profile_lengths=tuple(int(n) for n in engine_profile_lengths.split(",") if n),
+    )  # fmt: skip
     settings = Settings(
         keys=digests, max_queue=max_queue, request_timeout_s=request_timeout, max_sessions=max_sessions,
         max_state_bytes=max_state_mb << 20, limits=limits, sessions=sessions, session_lock_ttl_s=session_lock_ttl,
+        engine=engine, engine_config=config,
     )  # fmt: skip
     run_server(pool, settings, host, port, graceful)
 

@@ -5,12 +5,13 @@ where that venv is missing or vLLM cannot run)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from vllm_env import ROOT, VLLM_PYTHON
+from vllm_env import vllm_missing as _vllm_missing
 
 from ctxrelay.engines.kv_payload import KVPayload
 from ctxrelay.engines.paged import claimable, slot_mapping
@@ -18,8 +19,6 @@ from ctxrelay.errors import BindingError
 from ctxrelay.models import runner
 from ctxrelay.models.tiny import tiny_model, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("CTXRELAY_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 CHECKS = Path(__file__).with_name("vllm_relay_checks.py")
 
 
@@ -73,13 +72,6 @@ def test_payload_is_refused_for_another_tenant_model_or_prompt(payload_file, cha
         prompt = prompt[:-2]
     with pytest.raises(BindingError, match=message):
         KVPayload.load(path, prompt, change.get("weights", m.spec.weights_hash), change.get("tenant", "acme"))
-
-
-def _vllm_missing() -> str | None:
-    if not VLLM_PYTHON.exists():
-        return f"no vLLM venv at {VLLM_PYTHON} (`make vllm` makes it)"
-    res = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm"], capture_output=True, text=True, timeout=300)
-    return None if res.returncode == 0 else f"vLLM does not import here: {res.stderr.strip().splitlines()[-1:]}"
 
 
 def _engine_checks(model: Path | str, out: Path, tokens: int) -> list[dict]:

@@ -36,7 +36,7 @@ from ctxrelay_bench.plots import cdf_step, save_figure
 from ctxrelay_bench.runs import bench_options
 
 OPTIONS = {"concurrency": "1,4,16", "requests": 32, "max_s": 300.0, "max_tokens": 16, "port": 8391, "warmup": 2,
-           "start_s": 300.0, "max_queue": 64}  # fmt: skip
+           "start_s": 300.0, "max_queue": 64, "engines": "native", "duration_s": 0.0}  # fmt: skip
 # `ctxrelay bench load --keys`: each `--set` key, its default and meaning
 TUNING_KEYS = keys_from(
     OPTIONS,
@@ -49,6 +49,8 @@ TUNING_KEYS = keys_from(
         "warmup": "untimed requests first",
         "start_s": "seconds the server may take to start",
         "max_queue": "the server's --max-queue",
+        "engines": "the servers loaded in turn: native (ctxrelay's runner) and/or vllm (comma list)",
+        "duration_s": "> 0: each level's clients send requests back to back for this long (else `requests`)",
     },
 )
 KEY = "load-test-key"
@@ -61,18 +63,22 @@ def percentile(xs: Sequence[float], q: float) -> float | None:
 
 
 def prompts(model: str, n: int, tokens: int) -> list[str]:
-    """`n` distinct held-out essay excerpts of `tokens` tokens of `model`'s tokenizer, with a question."""
+    """`n` distinct held-out essay excerpts of `tokens` tokens of `model`'s tokenizer, with a question. Past the
+    essays' variety a request number leads the text, so no two prompts share a prefix an engine could reuse."""
     from ctxrelay import zoo
     from ctxrelay.data.datasets import essay_haystack
 
     tok = zoo.tokenizer(model)
-    return [essay_haystack(tok, tokens, split="heldout", seed=i) + QUESTION for i in range(n)]
+    texts = [essay_haystack(tok, tokens, split="heldout", seed=i) + QUESTION for i in range(min(n, 64))]
+    return [texts[i] if i < len(texts) else f"[{i}] {texts[i % len(texts)]}" for i in range(n)]
 
 
-def start_server(models: str, port: int, threads: int, wait_s: float, max_queue: int) -> subprocess.Popen:
+def start_server(
+    models: str, port: int, threads: int, wait_s: float, max_queue: int, engine: str = "native"
+) -> subprocess.Popen:
     env = {**os.environ, "CTXRELAY_API_KEYS": f"{KEY}:load"}
     cmd = [sys.executable, "-m", "ctxrelay.cli", "serve", "--models", models, "--port", str(port),
-           "--threads", str(threads), "--max-queue", str(max_queue)]  # fmt: skip
+           "--threads", str(threads), "--max-queue", str(max_queue), "--engine", engine]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -114,10 +120,19 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
     return {"status": "ok", "ttft_s": first - t0, "latency_s": end - t0, "chunks": chunks}
 
 
-async def run_level(url: str, model: str, texts: list[str], concurrency: int, max_tokens: int, max_s: float):
+async def run_level(
+    url: str, model: str, texts: list[str], concurrency: int, max_tokens: int, max_s: float, duration_s: float = 0.0
+):
+    """(results, unfinished, wall seconds) of one level: every text once, at most `concurrency` in flight; or,
+    with `duration_s`, `concurrency` clients each sending the next text as its last one returns, until then."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=max_s)
+    if duration_s > 0:
+        try:
+            return await _closed_loop(client, model, texts, concurrency, max_tokens, duration_s, max_s)
+        finally:
+            await client.close()
     gate = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(texts), desc=f"concurrency {concurrency}", unit="req")
 
@@ -136,6 +151,29 @@ async def run_level(url: str, model: str, texts: list[str], concurrency: int, ma
     bar.close()
     await client.close()
     return [t.result() for t in done], len(pending), wall
+
+
+async def _closed_loop(client, model: str, texts: list[str], concurrency: int, max_tokens: int, duration_s: float,
+                       max_s: float):  # fmt: skip
+    order = iter(texts)
+    results: list[dict] = []
+    t0 = time.perf_counter()
+    bar = tqdm(desc=f"concurrency {concurrency}, {duration_s:.0f} s", unit="req")
+
+    async def client_loop() -> None:
+        while time.perf_counter() - t0 < duration_s:
+            text = next(order, None)
+            if text is None:
+                return
+            results.append(await one_request(client, model, text, max_tokens))
+            bar.update(1)
+
+    tasks = [asyncio.create_task(client_loop()) for _ in range(concurrency)]
+    done, pending = await asyncio.wait(tasks, timeout=duration_s + max_s)
+    for p in pending:
+        p.cancel()
+    bar.close()
+    return results, len(pending), time.perf_counter() - t0
 
 
 CHAT_PATH = "/v1/chat/completions"
@@ -184,22 +222,23 @@ def summarize(results: list[dict], unfinished: int, wall: float, concurrency: in
     return row
 
 
-def plot(rows: list[dict], samples: dict[int, list[float]], path: Path) -> Path:
+def plot(rows: list[dict], samples: dict[str, list[float]], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for c, xs in samples.items():
-        cdf_step(ax[0], xs, label=f"concurrency {c}")
+    for label, xs in samples.items():
+        cdf_step(ax[0], xs, label=label)
     ax[0].set(xlabel="TTFT (s)", ylabel="share of requests", title="TTFT CDF")
     ax[0].legend()
-    cs = [r["concurrency"] for r in rows]
-    for q in (50, 90, 99):
-        ax[1].plot(cs, [r.get(f"ttft_p{q}_s") for r in rows], marker="o", label=f"P{q} TTFT")
-    ax[1].set(xlabel="concurrent clients", ylabel="seconds", xscale="log", title="TTFT by concurrency")
-    ax[1].set_xticks(cs, [str(c) for c in cs])
+    for engine in sorted({r.get("engine", "native") for r in rows}):
+        mine = [r for r in rows if r.get("engine", "native") == engine]
+        cs = [r["concurrency"] for r in mine]
+        ax[1].plot(cs, [r["requests_per_s"] for r in mine], marker="o", label=f"{engine} engine")
+        ax[1].set_xticks(cs, [str(c) for c in cs])
+    ax[1].set(xlabel="concurrent clients", ylabel="requests / s", xscale="log", title="throughput by concurrency")
     ax[1].legend()
     return save_figure(fig, path)
 
@@ -232,36 +271,42 @@ def bench(
 
     threads = torch.get_num_threads()  # the server runs with the threads this run was given
     command = command or f"ctxrelay bench load --model {model} --lengths {tokens}"
-    texts = prompts(served, int(opts["warmup"]) + n * len(levels), tokens)
-    port = int(opts["port"])
-    proc = start_server(model, port, threads, float(opts["start_s"]), int(opts["max_queue"]))
-    url = f"http://127.0.0.1:{port}"
+    engines = [e for e in str(opts["engines"]).split(",") if e]
+    duration = float(opts["duration_s"])
+    w = int(opts["warmup"])
+    # closed-loop levels need as many distinct prompts as the fastest engine can serve in the time
+    per_level = n if duration <= 0 else max(n, int(duration * 40))
+    texts = prompts(served, w + per_level * len(levels), tokens)
     rows: list[dict] = []
-    samples: dict[int, list[float]] = {}
+    samples: dict[str, list[float]] = {}
     extra = {"options": opts, "prompt_tokens": tokens, "model": served, "server_threads": threads}
     path = None
-    try:
-        w = int(opts["warmup"])
-        asyncio.run(run_level(url, served, texts[:w], 1, int(opts["max_tokens"]), float(opts["max_s"])))
-        for i, c in enumerate(levels):
-            batch = texts[w + i * n : w + (i + 1) * n]
-            before = served_counts(url)
-            res, pending, wall = asyncio.run(
-                run_level(url, served, batch, c, int(opts["max_tokens"]), float(opts["max_s"]))
-            )
-            row = summarize(res, pending, wall, c)
-            after = served_counts(url)
-            row["server_counts"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            row["server_counts_match"] = counts_match(row["statuses"], before, after)
-            rows.append(row)
-            samples[c] = [r["ttft_s"] for r in res if r["status"] == "ok"]
-            path = write_results(out, rows, command, extra)
-    finally:
-        proc.terminate()
+    for engine in engines:
+        port = int(opts["port"])
+        start_s = float(opts["start_s"]) if engine == "native" else max(float(opts["start_s"]), 1800.0)
+        proc = start_server(model, port, threads, start_s, int(opts["max_queue"]), engine)
+        url = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            asyncio.run(run_level(url, served, texts[:w], 1, int(opts["max_tokens"]), float(opts["max_s"])))
+            for i, c in enumerate(levels):
+                batch = texts[w + i * per_level : w + (i + 1) * per_level][: n if duration <= 0 else None]
+                before = served_counts(url)
+                res, pending, wall = asyncio.run(
+                    run_level(url, served, batch, c, int(opts["max_tokens"]), float(opts["max_s"]), duration)
+                )
+                row = {"engine": engine, **summarize(res, pending, wall, c)}
+                after = served_counts(url)
+                row["server_counts"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                row["server_counts_match"] = counts_match(row["statuses"], before, after)
+                rows.append(row)
+                samples[f"{engine}, concurrency {c}"] = [r["ttft_s"] for r in res if r["status"] == "ok"]
+                path = write_results(out, rows, command, extra)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     if path is None:
         raise UsageError("no concurrency level finished")
     plot(rows, samples, path.with_suffix(".png"))

@@ -12,16 +12,15 @@ kernel, so the cache is never indexed directly). A file that is missing, foreign
 tenant, or of other tokens is reported through `get_block_ids_with_load_errors`, and with
 `kv_load_failure_policy="recompute"` vLLM computes those tokens itself: never a wrong answer.
 
+`transfer_config`, `transfer_params` and `cpu_engine_env` (vllm_params.py) are re-exported here.
 This module imports vLLM; the rest of ctxrelay never imports it (an install without vLLM loses nothing).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +36,7 @@ except ImportError as e:  # the one module of ctxrelay that needs the engine
 
 from ctxrelay.engines.kv_payload import KVPayload
 from ctxrelay.engines.paged import claimable, slot_mapping
+from ctxrelay.engines.vllm_params import PARAM, cpu_engine_env, transfer_config, transfer_params
 from ctxrelay.errors import CtxrelayError
 
 if TYPE_CHECKING:
@@ -48,29 +48,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-PARAM = "ctxrelay_kv"  # the kv_transfer_params key naming the file
+__all__ = ["CtxrelayConnector", "cpu_engine_env", "transfer_config", "transfer_params"]
 LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
-
-
-def transfer_config(weights_hash: str) -> dict:
-    """vLLM's `kv_transfer_config` that loads this connector for a model of these weights; a load that fails
-    is recomputed by the engine."""
-    return {
-        "kv_connector": "CtxrelayConnector", "kv_connector_module_path": __name__, "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"weights_hash": weights_hash},
-    }  # fmt: skip
-
-
-def transfer_params(path: str | Path, tokens: int, tenant: str) -> dict:
-    """`SamplingParams.extra_args` of a request whose first `tokens` prompt tokens come from the file at `path`."""
-    return {"kv_transfer_params": {PARAM: str(path), "tokens": tokens, "tenant": tenant}}
-
-
-def cpu_engine_env(kv_space_gib: float) -> None:
-    """What vLLM's CPU build needs on a small machine, unless set already: the paged cache's size, and its
-    OpenMP threads bound to every core (auto binding reserves cores for the scheduler)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_space_gib:g}")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
 
 
 @dataclass

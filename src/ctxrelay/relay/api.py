@@ -56,6 +56,25 @@ class RelayResult:
         return sum(self.timings.values())
 
 
+@dataclass(kw_only=True)
+class Prepared:
+    """A receiver's prefill of a context and suffix up to its first decode step (`ModelPool.prepare`)."""
+
+    receiver: LoadedModel
+    text: str  # the shared context
+    suffix: torch.Tensor  # the receiver's ids of what follows it
+    t0: float  # request start (perf_counter)
+    timings: dict[str, float]  # the components so far
+    reason: str  # why it relays, or why native prefill
+    decision: Decision | None = None  # None: no state to relay from (native prefill)
+    out: RelayOutput | None = None  # the relayed cache and next-token logits; None: native prefill
+    context_tokens: int = 0  # receiver tokens of the context in `out`
+
+    @property
+    def relayed(self) -> bool:
+        return self.out is not None
+
+
 class ModelPool:
     def __init__(
         self,
@@ -67,7 +86,12 @@ class ModelPool:
         quality_threshold: float = DEFAULT_QUALITY,
         overhead_s: float = 0.0,
         min_speedup: float = MIN_SPEEDUP,
+        engine: bool = False,
     ):
+        """`engine`: the receivers decode in a serving engine (engines/), which loads a relayed K/V cache and
+        nothing more: the gate offers only the points such an engine can serve (Transport.engine_servable),
+        and `profile` should hold that engine's costs."""
+        self.engine = engine
         self.models: dict[str, LoadedModel] = {}
         self.store = open_store(store) if isinstance(store, str) else store
         self.artifact_dirs = artifact_dirs if artifact_dirs is not None else paths.artifact_dirs()
@@ -99,7 +123,7 @@ class ModelPool:
     def graph(self) -> TransportGraph:
         if self._graph is None:
             models = list(self.models.values())
-            self._graph = TransportGraph.build(models, self.artifact_dirs, self.profile, self.artifact)
+            self._graph = TransportGraph.build(models, self.artifact_dirs, self.profile, self.artifact, self.engine)
         return self._graph
 
     def refresh(self, profile: Profile | None = None) -> None:
@@ -162,6 +186,49 @@ class ModelPool:
         """Continue `context` (a state, or the text whose state a sender left in the store) on `receiver`.
 
         `on_token` sees each generated token as soon as it is chosen (for streaming)."""
+        p = self.prepare(
+            context, receiver, suffix, tenant=tenant, sender=sender, transport=transport,
+            max_new_tokens=max_new_tokens, temperature=temperature, quality_threshold=quality_threshold,
+        )  # fmt: skip
+        if p.out is None:
+            return self._native(
+                p.receiver, p.text, p.suffix, p.t0, p.timings, p.reason, max_new_tokens, temperature, p.decision,
+                on_token,
+            )  # fmt: skip
+        d, out, timings = p.decision, p.out, p.timings
+        tf = time.perf_counter()
+        gen = runner.decode(p.receiver, out.cache, out.logits[-1], p.t0, max_new_tokens, temperature, on_token=on_token)
+        timings["first_token_s"] = timings.get("first_token_s", 0.0) + (gen.ttft_s - (tf - p.t0))
+        return RelayResult(
+            text=gen.text,
+            tokens=gen.tokens,
+            transport=d.transport,
+            reason=d.reason,
+            ttft_s=gen.ttft_s,
+            total_s=gen.total_s,
+            context_tokens=p.context_tokens,
+            timings=timings,
+            decision=d.as_dict(),
+            info=out.info,
+            first_logits=out.logits[-1],
+        )
+
+    def prepare(
+        self,
+        context: ContextState | str,
+        receiver: str,
+        suffix: str = "",
+        *,
+        tenant: str | None = None,
+        sender: str | None = None,
+        transport: str = "auto",
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        quality_threshold: float | None = None,
+    ) -> Prepared:
+        """The receiver's prefill of `context` + `suffix`, up to the first decode step: the relayed cache the
+        gate chose (and the checks let serve), or the reason for native prefill. `continue_from` decodes it
+        on ctxrelay's runner; a serving engine (engines/) loads the relayed cache and decodes itself."""
         check_request(context if isinstance(context, str) else context.text, suffix, max_new_tokens, temperature)
         if transport not in requestable():
             raise UsageError(f"transport must be one of {', '.join(requestable())}, not {transport!r}")
@@ -170,46 +237,35 @@ class ModelPool:
         timings: dict[str, float] = {}
         state, text, why_not = self._resolve(context, tenant, sender, timings)
         tg = time.perf_counter()
-        suffix = suffix_ids(r, suffix)
+        ids = suffix_ids(r, suffix)
+        p = Prepared(receiver=r, text=text, suffix=ids, t0=t0, timings=timings, reason=why_not)
         if state is None:
             timings["gate_s"] = time.perf_counter() - tg
-            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, on_token=on_token)
+            return p
         n_ctx = len(context_ids(r, text))
-        check_window(r, n_ctx + len(suffix), max_new_tokens)
+        check_window(r, n_ctx + len(ids), max_new_tokens)
         threshold = self.quality_threshold if quality_threshold is None else quality_threshold
-        d = decide(
+        p.decision = d = decide(
             self.graph,
             state,
             r.spec.weights_hash,
-            n_ctx + len(suffix),
+            n_ctx + len(ids),
             requested=transport,
             quality_threshold=threshold,
             overhead_s=self.overhead_s,
             min_speedup=self.min_speedup,
         )
         timings["gate_s"] = time.perf_counter() - tg
+        p.reason = d.reason
         if d.transport == "native":
-            return self._native(r, text, suffix, t0, timings, d.reason, max_new_tokens, temperature, d, on_token)
-        out, why_not = self._relay_checked(d, state, r, suffix, timings, threshold, transport == "auto")
+            return p
+        out, why_not = self._relay_checked(d, state, r, ids, timings, threshold, transport == "auto")
         if out is None:
-            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, d, on_token)
-        tf = time.perf_counter()
-        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature, on_token=on_token)
+            p.reason = why_not
+            return p
         timings.update(out.timings)
-        timings["first_token_s"] = timings.get("first_token_s", 0.0) + (gen.ttft_s - (tf - t0))
-        return RelayResult(
-            text=gen.text,
-            tokens=gen.tokens,
-            transport=d.transport,
-            reason=d.reason,
-            ttft_s=gen.ttft_s,
-            total_s=gen.total_s,
-            context_tokens=out.cache.length - len(suffix),
-            timings=timings,
-            decision=d.as_dict(),
-            info=out.info,
-            first_logits=out.logits[-1],
-        )
+        p.out, p.reason, p.context_tokens = out, d.reason, out.cache.length - len(ids)
+        return p
 
     def _relay_checked(self, d: Decision, state, r, suffix, timings, threshold, check) -> tuple:
         """Relay through the gate's candidates in its fallback order (gate.Fallback) until one serves:

@@ -211,10 +211,13 @@ def measured_with(cost: CostModel, edge: Edge) -> bool:
     return not cost.artifact or not edge.artifact_digest or cost.artifact == edge.artifact_digest
 
 
-def _with_points(edge: Edge, t, profile: Profile) -> Edge:
+def _with_points(edge: Edge, t, profile: Profile, engine: bool = False) -> Edge:
     """The transport's operating points for this edge, each with its measured cost model: none where the
-    profile measured another artifact (a recalibrated or upgraded one; its relay may cost differently)."""
+    profile measured another artifact (a recalibrated or upgraded one; its relay may cost differently).
+    `engine`: only the points a serving engine can take through its KV connector."""
     for p in t.operating_points(edge.params, edge.quality):
+        if engine and not t.engine_servable(dict(p.get("options", {}))):
+            continue
         point = OperatingPoint(p.get("label", ""), dict(p.get("options", {})), dict(p.get("quality", {})))
         cost = profile.edges.get(edge.point_key(point))
         if cost is not None and not measured_with(cost, edge):
@@ -234,9 +237,10 @@ class TransportGraph:
 
     @staticmethod
     def build(
-        models: list[LoadedModel], artifact_dirs: list[Path], profile: Profile, load=Artifact.load
+        models: list[LoadedModel], artifact_dirs: list[Path], profile: Profile, load=Artifact.load, engine: bool = False
     ) -> TransportGraph:
-        """`load` reads an artifact; a pool passes its own cache so the relay path reuses what was read here."""
+        """`load` reads an artifact; a pool passes its own cache so the relay path reuses what was read here.
+        `engine`: the graph of a pool whose receivers run in a serving engine (engine-servable points only)."""
         nodes = {
             m.spec.weights_hash: Node(
                 m.spec.name, m.spec.weights_hash, m.spec.tokenizer_hash, profile.native.get(m.spec.weights_hash)
@@ -265,13 +269,13 @@ class TransportGraph:
                 exact=t.exact,
                 artifact_digest=art.digest,
             )
-            edges.append(_with_points(edge, t, profile))
+            edges.append(_with_points(edge, t, profile, engine))
         for t in transports.loaded():  # pairs a transport serves without an artifact
             for a in models:
                 for b in models:
                     if t.implicit_edge(a.spec, b.spec):
                         edge = Edge(t.name, model_binding(a), model_binding(b), None, {}, {}, exact=t.exact)
-                        edges.append(_with_points(edge, t, profile))
+                        edges.append(_with_points(edge, t, profile, engine))
         return TransportGraph(nodes, edges, skipped, swapped)
 
     def edges_between(self, sender_hash: str, receiver_hash: str) -> list[Edge]:

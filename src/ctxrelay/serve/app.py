@@ -7,11 +7,14 @@ never from the request, so one tenant cannot name another's state or conversatio
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request, Response
 from pydantic import BaseModel, Field
 
+from ctxrelay.engines.vllm_server import EngineConfig
+from ctxrelay.errors import UsageError
 from ctxrelay.relay.api import ModelPool
 from ctxrelay.relay.gate import requestable
 from ctxrelay.relay.store import StateKey
@@ -36,6 +39,10 @@ class Settings:
     sessions: str = "auto"
     session_lock_ttl_s: float = 30.0  # how long a killed process can keep a Redis conversation locked
     limits: Limits = field(default_factory=Limits)
+    # who prefills and decodes: "native" (ctxrelay's runner, in this process) or "vllm" (one vLLM engine per
+    # model, started by the server; vllm_engine.py); the vLLM engines' mode, dtype and KV space
+    engine: str = "native"
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
 
 
 class PrefillRequest(BaseModel):
@@ -56,12 +63,12 @@ class ContinueRequest(BaseModel):
 
 def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    app = FastAPI(title="ctxrelay", version="0.1.0")
+    app = FastAPI(title="ctxrelay", version="0.1.0", lifespan=_closes_engine)
     errors.install(app)
     metrics = Metrics()
     inner = pool.store.inner if isinstance(pool.store, CountedStore) else pool.store
     pool.store = CountedStore(inner, metrics)  # the server owns its pool: count what it stores
-    engine = Engine(pool, metrics, max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s)
+    engine = _engine(pool, metrics, settings)
     sessions = open_sessions(
         settings.sessions, pool.store, max_sessions=settings.max_sessions, max_state_bytes=settings.max_state_bytes,
         lock_ttl_s=settings.session_lock_ttl_s,
@@ -84,7 +91,7 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
 
     @app.get("/healthz")
     def healthz() -> dict:
-        return {"ok": True, "models": list(pool.models), "conversations": sessions.kind}
+        return {"ok": True, "models": list(pool.models), "conversations": sessions.kind, "engine": engine.kind}
 
     @app.get("/metrics")
     def prometheus() -> Response:
@@ -141,6 +148,26 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
         }  # fmt: skip
 
     return app
+
+
+@asynccontextmanager
+async def _closes_engine(app: FastAPI):
+    yield
+    app.state.engine.close()  # the engines a server started end with it
+
+
+def _engine(pool: ModelPool, metrics: Metrics, settings: Settings) -> Engine:
+    kw = dict(max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s)
+    if settings.engine == "native":
+        return Engine(pool, metrics, **kw)
+    if settings.engine != "vllm":
+        raise UsageError(f"engine must be native or vllm, not {settings.engine!r}")
+    from ctxrelay import paths
+    from ctxrelay.results import machine_facts
+    from ctxrelay.serve.vllm_engine import VllmEngine
+
+    isa = machine_facts()["isa"]
+    return VllmEngine.start(pool, metrics, settings.engine_config, isa, paths.cache_dir(), **kw)
 
 
 def serve(pool: ModelPool, settings: Settings, host: str, port: int, graceful_s: float = 30.0) -> None:

@@ -42,6 +42,10 @@ class Served:
 
 
 class Engine:
+    """Turns computed by ctxrelay's own runner (`--engine native`); vllm_engine.py decodes in vLLM instead."""
+
+    kind = "native"
+
     def __init__(self, pool: ModelPool, metrics: Metrics, *, max_queue: int = 32, request_timeout_s: float = 300.0):
         self.pool, self.metrics = pool, metrics
         self.max_queue, self.request_timeout_s = max_queue, request_timeout_s
@@ -49,6 +53,9 @@ class Engine:
         self._admit = threading.Lock()
         self._depth = 0
         self._service_s = 1.0  # running mean of a turn's compute time, for Retry-After
+
+    def close(self) -> None:
+        """Stop what the engine started (nothing here: the runner lives in this process)."""
 
     def model_or_404(self, name: str) -> str:
         if name not in self.pool.models:

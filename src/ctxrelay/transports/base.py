@@ -99,6 +99,11 @@ class Transport:
         relay_prefill may report info["estimate"], a predicted top-1 agreement for THIS request."""
         return [{"label": "", "options": {}, "quality": quality}]
 
+    def engine_servable(self, options: dict) -> bool:
+        """Whether a serving engine can serve this operating point through its KV connector: the relay
+        leaves a receiver K/V cache and nothing else (no change to the engine's attention)."""
+        return True
+
     def capture_plan(self, sender: LoadedModel, edge_params: Sequence[dict]) -> CapturePlan:
         """What the sender's prefill records for this transport's edges out of it (their params)."""
         return CapturePlan(kv=self.needs == "kv")

@@ -26,6 +26,10 @@ class Heterofold(Transport):
     def operating_points(self, params: dict, quality: dict) -> list[dict]:
         return operating_points(params, quality)
 
+    def engine_servable(self, options: dict) -> bool:
+        # hiding translated entries from the question needs ctxrelay's own attention (KVCache.hide)
+        return not options.get("hide_translated")
+
     def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):
         return relay_prefill(receiver, state, artifact, suffix_ids, **options)
 

@@ -142,6 +142,10 @@ class Mapflow(Transport):
         rows = max(int(p.get("sample_rows", SAMPLE_ROWS)) for p in edge_params)
         return map_capture_plan(sender, top_p, block, layers=layers, capture=capture, sample_rows=rows)
 
+    def engine_servable(self, options: dict) -> bool:
+        # the receiver attends with the sender's attention maps: an engine's fused attention takes none
+        return False
+
     def relay_prefill(self, receiver, state, artifact, suffix_ids, **options):
         if options:
             raise MapsError(f"the mapflow transport takes no relay options (got {sorted(options)})")

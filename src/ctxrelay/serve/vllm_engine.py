@@ -1,0 +1,228 @@
+"""`ctxrelay serve --engine vllm`: the same turns as engine.py, decoded by one vLLM engine per served model.
+
+The router keeps what is ctxrelay's: chat templates, conversations, the gate and the relay's own compute
+(translation and selective recompute on ctxrelay's runner, under the compute lock), and the state each
+turn leaves for the next. The engine does what engines do: prefill, continuous batching across requests,
+decode, and exact prefix reuse within its model (prefix caching on). A relayed turn hands the engine the
+receiver cache the relay built (engines/kv_payload.py, a sealed file bound to weights, tenant and the
+prompt's tokens); the engine's KV connector writes it into the paged cache and the engine prefills only
+the new turn. Every request carries a prefix-cache salt: per tenant, and per relay where the K/V is
+approximate, so a relayed cache never answers another request's lookup. A load the connector refuses is
+recomputed by the engine (never a wrong answer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from ctxrelay.engines.kv_payload import KVPayload
+from ctxrelay.engines.vllm_params import cache_salt, kv_params
+from ctxrelay.engines.vllm_server import EngineConfig, VllmServer
+from ctxrelay.models import runner
+from ctxrelay.models.tokens import context_ids, suffix_ids
+from ctxrelay.relay.api import ModelPool, Prepared, RelayResult, check_window
+from ctxrelay.serve.chat import render, transcript
+from ctxrelay.serve.engine import Engine, OnToken, Served
+from ctxrelay.serve.errors import ApiError
+from ctxrelay.serve.metrics import Metrics
+from ctxrelay.serve.sessions import Session
+
+log = logging.getLogger("ctxrelay.serve")
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class VllmEngine(Engine):
+    """Turns decoded by vLLM engines (one per model, started here and stopped by `close`)."""
+
+    def __init__(
+        self, pool: ModelPool, metrics: Metrics, servers: dict[str, VllmServer], *, max_queue: int = 32,
+        request_timeout_s: float = 300.0,
+    ):  # fmt: skip
+        super().__init__(pool, metrics, max_queue=max_queue, request_timeout_s=request_timeout_s)
+        self.kind = "vllm"
+        self.servers = servers
+        self._http = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
+        self.payload_dir = Path(tempfile.mkdtemp(prefix="ctxrelay-kv-"))
+
+    @staticmethod
+    def start(
+        pool: ModelPool, metrics: Metrics, config: EngineConfig, isa: str, cache_dir: Path,
+        served: list[str] | None = None, **kw,
+    ) -> VllmEngine:  # fmt: skip
+        """Start one engine per served model (all the pool's by default; in turn: two engines starting at once
+        on 2 cores only both run slower), then give the gate the engine's costs (measured once per machine and
+        engine setup)."""
+        from ctxrelay import zoo
+        from ctxrelay.demo import text_for
+        from ctxrelay.serve.engine_profile import prepare_gate, profile_path
+
+        log_dir = cache_dir / "logs"
+
+        servers: dict[str, VllmServer] = {}
+        try:
+            for name in served or list(pool.models):
+                m = pool.models[name]
+                s = VllmServer(name, zoo.pull(name), m.spec.weights_hash, config, isa, log_dir, m.spec.context_window)
+                log.info("starting vLLM (%s, %s) for %s on %s", config.mode, s.dtype, name, s.url)
+                s.start()
+                servers[name] = s
+            engine = VllmEngine(pool, metrics, servers, **kw)
+            dtype = next(iter(servers.values())).dtype if servers else config.dtype
+            where = profile_path(cache_dir, isa, config.mode, dtype)
+            prepare_gate(engine, text_for, list(config.profile_lengths), where)
+        except BaseException:
+            for s in servers.values():
+                s.stop()
+            raise
+        return engine
+
+    def close(self) -> None:
+        for s in self.servers.values():
+            s.stop()
+        self._http.close()
+        shutil.rmtree(self.payload_dir, ignore_errors=True)
+
+    # ---- turns --------------------------------------------------------------------------------
+
+    def chat(
+        self, tenant: str, model: str, messages: list[dict[str, str]], session: Session | None, *,
+        max_tokens: int, temperature: float, transport: str = "auto", on_token: OnToken = None,
+    ) -> Served:  # fmt: skip
+        history = session.messages if session else []
+        new = session.new_messages(messages) if session else messages
+        if not new:
+            raise ApiError(400, "no new message: the request only repeats the conversation so far", param="messages")
+        m = self.pool.models[model]
+        suffix = render(m, new, after_context=bool(history))
+        t0 = time.perf_counter()
+        relayed_from = session.model if session else None
+        waited, kv, prep = 0.0, None, None
+        if session is not None and session.state is not None:
+            with self.computing() as waited:
+                prep = self.pool.prepare(
+                    session.state, model, suffix, tenant=tenant, transport=transport, max_new_tokens=max_tokens,
+                    temperature=temperature,
+                )  # fmt: skip
+                if prep.relayed:
+                    kv = self.payload(prep, tenant)
+            ctx = context_ids(m, prep.text)
+            ids = [*ctx.tolist(), *prep.suffix.tolist()]
+            reason = prep.reason
+        elif history:  # a conversation whose state was dropped or cannot be read
+            ids = [*context_ids(m, transcript(history)).tolist(), *suffix_ids(m, suffix).tolist()]
+            reason = f"{session.no_state}: native prefill of the transcript"
+        else:
+            ids = context_ids(m, suffix).tolist()
+            reason = "first turn of the conversation: nothing to relay" if session else "no conversation: stateless"
+        check_window(m, len(ids), max_tokens)
+        # a stateless turn is all context (as engine.py counts it); otherwise the new turn is the suffix
+        n_suffix = len(prep.suffix) if prep is not None else len(suffix_ids(m, suffix)) if history else 0
+        res = self.generate(
+            model, ids, tenant, t0, max_tokens, temperature, on_token, kv, prep, reason, len(ids) - n_suffix
+        )
+        capture_s = self._leave_state(session, model, tenant, [*history, *new], res.text) if session else 0.0
+        report = self._report(res, model, waited, capture_s)
+        report["prefilled_tokens"] = len(ids) - res.context_tokens if kv is not None else len(ids)
+        report["engine"] = self.engine_facts(model)
+        if session is not None:
+            report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
+            report["capture_extended_from"] = session.state.meta.get("extended_from") if session.state else None
+        return Served(res, report, len(ids))
+
+    def complete(
+        self, model: str, prompt: str, *, max_tokens: int, temperature: float, on_token: OnToken = None
+    ) -> Served:
+        m = self.pool.models[model]
+        ids = context_ids(m, prompt).tolist()
+        check_window(m, len(ids), max_tokens)
+        res = self.generate(
+            model, ids, "", time.perf_counter(), max_tokens, temperature, on_token, None, None,
+            "completion: stateless prompt", len(ids),
+        )  # fmt: skip
+        report = self._report(res, model, 0.0, 0.0)
+        report["engine"] = self.engine_facts(model)
+        return Served(res, report, len(ids))
+
+    def engine_facts(self, model: str) -> dict:
+        s = self.servers[model]
+        return {"name": "vllm", "mode": s.config.mode, "dtype": s.dtype}
+
+    # ---- the engine call ----------------------------------------------------------------------
+
+    def payload(self, prep: Prepared, tenant: str) -> tuple[Path, int]:
+        """The relayed receiver cache of the context, as the engine's connector loads it (engine dtype)."""
+        t = time.perf_counter()
+        r = prep.receiver
+        n = prep.context_tokens
+        ids = context_ids(r, prep.text).tolist()[:n]
+        server = self.servers[r.spec.name]
+        exact = bool(prep.decision and prep.decision.edge and prep.decision.edge.exact)
+        payload = KVPayload.from_cache(prep.out.cache, ids, r.spec.weights_hash, tenant, exact, DTYPES[server.dtype])
+        path = payload.save(self.payload_dir / f"{uuid.uuid4().hex}.safetensors")
+        prep.timings["payload_s"] = time.perf_counter() - t
+        return path, n
+
+    def generate(
+        self, model: str, ids: list[int], tenant: str, t0: float, max_tokens: int, temperature: float,
+        on_token: OnToken, kv: tuple[Path, int] | None, prep: Prepared | None, reason: str, context_tokens: int = 0,
+        salt: str | None = None,
+    ) -> RelayResult:  # fmt: skip
+        """Stream the engine's completion of `ids`, handing each token to `on_token`; TTFT from `t0`. The
+        prefix-cache salt is the tenant's, or one of its own for a relayed (approximate) cache."""
+        server = self.servers[model]
+        eos = runner.eos_ids(self.pool.models[model])  # the engine returns the token it stopped at
+        body = {
+            "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+            "return_token_ids": True, "skip_special_tokens": True, "seed": 0,
+            # approximate K/V gets a salt of its own: its blocks never answer a later lookup
+            "cache_salt": salt or cache_salt(tenant, uuid.uuid4().hex if kv else ""),
+        }  # fmt: skip
+        if kv is not None:
+            body["kv_transfer_params"] = kv_params(kv[0], kv[1], tenant)
+        timings = dict(prep.timings) if prep is not None else {}
+        te = time.perf_counter()
+        tokens: list[int] = []
+        text, ttft = [], None
+        try:
+            with self._http.stream("POST", server.url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise ApiError(502, f"the vLLM engine of {model} answered {r.status_code}: {r.read()[:300]!r}")
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    for c in chunk.get("choices", []):
+                        new = c.get("token_ids") or []
+                        if new and ttft is None:
+                            ttft = time.perf_counter() - t0
+                        text.append(c.get("text") or "")
+                        for tok in new:
+                            if tok in eos:
+                                continue
+                            tokens.append(tok)
+                            if on_token is not None:
+                                on_token(tok)
+        except httpx.HTTPError as e:
+            raise ApiError(502, f"the vLLM engine of {model} failed: {e}") from e
+        finally:
+            if kv is not None:
+                kv[0].unlink(missing_ok=True)
+        total = time.perf_counter() - t0
+        ttft = total if ttft is None else ttft
+        timings["engine_ttft_s"] = ttft - (te - t0)
+        relayed = kv is not None
+        decision = prep.decision.as_dict() if prep is not None and prep.decision else {"transport": "native"}
+        decision["reason"] = reason
+        return RelayResult(
+            text="".join(text), tokens=tokens, transport=prep.decision.transport if relayed else "native",
+            reason=reason, ttft_s=ttft, total_s=total, context_tokens=context_tokens,
+            timings=timings, decision=decision, info=prep.out.info if relayed else {},
+        )  # fmt: skip

@@ -1,0 +1,95 @@
+"""`ctxrelay serve --engine vllm` as a user runs it: two zoo models, one vLLM engine each (started by the
+server), and the official openai client. A conversation reads a >= 4096-token document on smollm2-135m and
+moves to gemma3-270m, which MUST relay (heterofold, through the connector) and answer as vLLM's own prefill
+of the same prompt does. Skipped with the reason where vLLM's CPU build is not installed (`make vllm`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from vllm_env import VLLM_PYTHON, vllm_missing
+
+from ctxrelay import zoo
+from ctxrelay.data.datasets import essay_haystack
+from ctxrelay.data.needle import make_needle_case, score_answer
+
+pytestmark = pytest.mark.real
+MODELS = ("smollm2-135m", "gemma3-270m")
+KEY = "k-acme"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    missing = vllm_missing()
+    if missing:
+        pytest.skip(missing)
+    from ctxrelay_bench.harness import free_port
+
+    log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
+    port = free_port()
+    env = {**os.environ, "CTXRELAY_API_KEYS": f"{KEY}:acme", "CTXRELAY_VLLM_PYTHON": str(VLLM_PYTHON)}
+    cmd = [
+        sys.executable, "-m", "ctxrelay.cli", "serve", "--engine", "vllm", "--models", ",".join(MODELS),
+        "--host", "127.0.0.1", "--port", str(port), "--max-tokens", "64",
+    ]  # fmt: skip
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    # two engines start (25-40 s each, eager) and, on a machine that has not measured them, the gate's costs
+    deadline = time.monotonic() + 1800
+    try:
+        while True:
+            assert proc.poll() is None, f"ctxrelay serve exited:\n{log_path.read_text()[-6000:]}"
+            try:
+                if httpx.get(url + "/healthz", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"ctxrelay serve did not come up:\n{log_path.read_text()[-6000:]}"
+            time.sleep(2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        leftovers = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True)
+        assert leftovers.returncode != 0, "the server left vLLM engines running after it stopped"
+
+
+def _turns(client, doc: str, question: str, transport: str) -> tuple[dict, str]:
+    first = [{"role": "user", "content": f"{doc}\n\nRead the document above. Reply with one word: OK."}]
+    r1 = client.chat.completions.create(
+        model=MODELS[0], messages=first, max_tokens=4, extra_body={"conversation": "new"}
+    )
+    report1 = r1.model_extra["ctxrelay"]
+    assert report1["engine"]["name"] == "vllm" and report1["context_tokens"] >= 4096, report1
+    history = [*first, {"role": "assistant", "content": r1.choices[0].message.content}]
+    r2 = client.chat.completions.create(
+        model=MODELS[1], messages=[*history, {"role": "user", "content": question}], max_tokens=24,
+        extra_body={"conversation": report1["conversation"], "transport": transport},
+    )  # fmt: skip
+    return r2.model_extra["ctxrelay"], r2.choices[0].message.content
+
+
+def test_a_conversation_moves_from_smollm2_to_gemma3_and_relays_inside_vllm(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key=KEY, timeout=600, max_retries=0)
+    case = make_needle_case(essay_haystack(zoo.load(MODELS[0]).tokenizer, 4200, "heldout", 11), 0.5, 11)
+    question = f"Answer from the document. {case.question.strip()}"
+    relayed, relayed_text = _turns(client, case.context, question, "auto")
+    assert relayed["transport"] == "heterofold", f"the gate declined: {relayed['reason']}"
+    assert relayed["relayed_from"] == MODELS[0] and relayed["prefilled_tokens"] < 200, relayed
+    native, native_text = _turns(client, case.context, question, "native")
+    assert native["transport"] == "native" and native["context_tokens"] == relayed["context_tokens"]
+    right = {k: score_answer(t, case.answer)["exact"] for k, t in (("relay", relayed_text), ("native", native_text))}
+    print(f"relayed {relayed['ttft_s']:.2f} s: {relayed_text!r}\nnative {native['ttft_s']:.2f} s: {native_text!r}")
+    assert right["relay"] == right["native"], (right, relayed_text, native_text, relayed["reason"])
