@@ -441,6 +441,13 @@ def serve(
 
     digests = load_keys(keys or None)
     check_exposure(host, digests)  # before loading models: a refused start costs nothing
+    if engine == "vllm":  # starting engines and measuring their costs takes minutes: say what is going on
+        import logging
+
+        from rich.logging import RichHandler
+
+        logging.getLogger("ctxrelay").addHandler(RichHandler(console=console, show_path=False))
+        logging.getLogger("ctxrelay").setLevel(logging.INFO)
     set_threads(threads or None)
     if engine not in ("native", "vllm") or engine_mode not in ("eager", "compiled"):
         raise UsageError("--engine is native or vllm, --engine-mode eager or compiled")

@@ -21,7 +21,7 @@ from ctxrelay.data.needle import make_needle_case, score_answer
 
 pytestmark = pytest.mark.real
 MODELS = ("smollm2-135m", "gemma3-270m")
-KEY = "k-acme"
+KEY, OTHER = "k-acme", "k-globex"
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def server(tmp_path_factory):
 
     log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     port = free_port()
-    env = {**os.environ, "CTXRELAY_API_KEYS": f"{KEY}:acme", "CTXRELAY_VLLM_PYTHON": str(VLLM_PYTHON)}
+    env = {**os.environ, "CTXRELAY_API_KEYS": f"{KEY}:acme,{OTHER}:globex", "CTXRELAY_VLLM_PYTHON": str(VLLM_PYTHON)}
     cmd = [
         sys.executable, "-m", "ctxrelay.cli", "serve", "--engine", "vllm", "--models", ",".join(MODELS),
         "--host", "127.0.0.1", "--port", str(port), "--max-tokens", "64",
@@ -65,7 +65,7 @@ def server(tmp_path_factory):
 
 
 def _turns(client, doc: str, question: str, transport: str) -> tuple[dict, str]:
-    first = [{"role": "user", "content": f"{doc}\n\nRead the document above. Reply with one word: OK."}]
+    first = [{"role": "user", "content": f"Here is a document.\n\n{doc}"}]
     r1 = client.chat.completions.create(
         model=MODELS[0], messages=first, max_tokens=4, extra_body={"conversation": "new"}
     )
@@ -84,12 +84,32 @@ def test_a_conversation_moves_from_smollm2_to_gemma3_and_relays_inside_vllm(serv
 
     client = OpenAI(base_url=server + "/v1", api_key=KEY, timeout=600, max_retries=0)
     case = make_needle_case(essay_haystack(zoo.load(MODELS[0]).tokenizer, 4200, "heldout", 11), 0.5, 11)
-    question = f"Answer from the document. {case.question.strip()}"
+    asked = case.question.strip().split("\n")[0].removeprefix("Question: ")
+    question = f"Using only the document, answer in a few words: {asked}"
     relayed, relayed_text = _turns(client, case.context, question, "auto")
     assert relayed["transport"] == "heterofold", f"the gate declined: {relayed['reason']}"
     assert relayed["relayed_from"] == MODELS[0] and relayed["prefilled_tokens"] < 200, relayed
     native, native_text = _turns(client, case.context, question, "native")
     assert native["transport"] == "native" and native["context_tokens"] == relayed["context_tokens"]
+    # the relayed (approximate) blocks sat under a salt of their own: the same prompt sent natively after it
+    # found none of them in the engine's prefix cache
+    assert native["engine_cached_tokens"] == 0, native
     right = {k: score_answer(t, case.answer)["exact"] for k, t in (("relay", relayed_text), ("native", native_text))}
     print(f"relayed {relayed['ttft_s']:.2f} s: {relayed_text!r}\nnative {native['ttft_s']:.2f} s: {native_text!r}")
     assert right["relay"] == right["native"], (right, relayed_text, native_text, relayed["reason"])
+
+
+def test_tenants_never_share_the_engine_prefix_cache(server):
+    from openai import OpenAI
+
+    doc = essay_haystack(zoo.load(MODELS[1]).tokenizer, 600, "heldout", 12)
+    messages = [{"role": "user", "content": f"{doc}\n\nWhat is this text about?"}]
+
+    def cached(key: str) -> int:
+        client = OpenAI(base_url=server + "/v1", api_key=key, timeout=600, max_retries=0)
+        r = client.chat.completions.create(model=MODELS[1], messages=messages, max_tokens=2)
+        return r.model_extra["ctxrelay"]["engine_cached_tokens"]
+
+    first, again, other = cached(KEY), cached(KEY), cached(OTHER)
+    assert first == 0 and again >= 512, (first, again)  # the same tenant's prompt: whole blocks from the cache
+    assert other == 0  # another tenant's identical prompt: none of the first tenant's blocks

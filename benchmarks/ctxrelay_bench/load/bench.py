@@ -8,10 +8,11 @@ different held-out essay excerpt of about `prompt_tokens` tokens, so no state is
 sent -> first content chunk; latency: -> last chunk. Per level: requests, ok, 429s (the queue bound
 answering, a correct answer), failures (5xx, dropped connections, other errors), throughput (requests/s,
 completion chunks/s), P50/P90/P99 TTFT and latency, and whether the server's /metrics request counts
-equal the load tool's (by status, over the level). One compute lock serves all requests, so on
-this machine latency grows with concurrency while throughput stays at one model's rate: the test
-shows the server stays correct under load (no failed or dropped request, 429 only past the queue bound
-`max_queue`), not that it scales.
+equal the load tool's (by status, over the level). `engines=native,vllm` loads one server per engine in
+turn (`ctxrelay serve --engine E`), each row naming its `engine`: with `--engine native` one compute lock
+serves all requests, so throughput stays at one model's rate; with `--engine vllm` the engine batches
+concurrent requests. `duration_s` > 0 makes each level closed-loop: `concurrency` clients each send the next
+prompt as soon as their last one returns, for that long (the issue's >= 60 s at concurrency 16).
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ class VllmServer:
             "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", self.dtype, "--enable-prefix-caching", "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(c.max_num_seqs), "--seed", str(c.seed), "--disable-uvicorn-access-log",
+            "--enable-prompt-tokens-details",  # usage says how many prompt tokens the prefix cache served
             "--kv-transfer-config", json.dumps(transfer_config(self.weights_hash)),
         ]  # fmt: skip
         if not c.compiled:

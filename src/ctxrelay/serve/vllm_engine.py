@@ -132,6 +132,7 @@ class VllmEngine(Engine):
         report = self._report(res, model, waited, capture_s)
         report["prefilled_tokens"] = len(ids) - res.context_tokens if kv is not None else len(ids)
         report["engine"] = self.engine_facts(model)
+        report["engine_cached_tokens"] = res.info["engine_cached_tokens"]  # served by its prefix cache
         if session is not None:
             report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
             report["capture_extended_from"] = session.state.meta.get("extended_from") if session.state else None
@@ -149,6 +150,7 @@ class VllmEngine(Engine):
         )  # fmt: skip
         report = self._report(res, model, 0.0, 0.0)
         report["engine"] = self.engine_facts(model)
+        report["engine_cached_tokens"] = res.info["engine_cached_tokens"]
         return Served(res, report, len(ids))
 
     def engine_facts(self, model: str) -> dict:
@@ -182,6 +184,7 @@ class VllmEngine(Engine):
         body = {
             "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "return_token_ids": True, "skip_special_tokens": True, "seed": 0,
+            "stream_options": {"include_usage": True},
             # approximate K/V gets a salt of its own: its blocks never answer a later lookup
             "cache_salt": salt or cache_salt(tenant, uuid.uuid4().hex if kv else ""),
         }  # fmt: skip
@@ -190,7 +193,7 @@ class VllmEngine(Engine):
         timings = dict(prep.timings) if prep is not None else {}
         te = time.perf_counter()
         tokens: list[int] = []
-        text, ttft = [], None
+        text, ttft, usage = [], None, {}
         try:
             with self._http.stream("POST", server.url + "/v1/completions", json=body) as r:
                 if r.status_code != 200:
@@ -199,6 +202,7 @@ class VllmEngine(Engine):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
                     for c in chunk.get("choices", []):
                         new = c.get("token_ids") or []
                         if new and ttft is None:
@@ -218,11 +222,14 @@ class VllmEngine(Engine):
         total = time.perf_counter() - t0
         ttft = total if ttft is None else ttft
         timings["engine_ttft_s"] = ttft - (te - t0)
-        relayed = kv is not None
+        cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+        relayed = prep is not None and prep.relayed
         decision = prep.decision.as_dict() if prep is not None and prep.decision else {"transport": "native"}
         decision["reason"] = reason
+        # a K/V load with no relay behind it is a model's own exact K/V (the engine profile's load timing)
+        transport = prep.decision.transport if relayed else "self" if kv is not None else "native"
         return RelayResult(
-            text="".join(text), tokens=tokens, transport=prep.decision.transport if relayed else "native",
-            reason=reason, ttft_s=ttft, total_s=total, context_tokens=context_tokens,
-            timings=timings, decision=decision, info=prep.out.info if relayed else {},
+            text="".join(text), tokens=tokens, transport=transport, reason=reason, ttft_s=ttft, total_s=total,
+            context_tokens=context_tokens, timings=timings, decision=decision,
+            info={**(prep.out.info if relayed else {}), "engine_cached_tokens": cached},
         )  # fmt: skip
