@@ -25,6 +25,7 @@ from ctxrelay.artifact import Artifact
 from ctxrelay.errors import BindingError, CtxrelayError, UsageError
 from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state, extend_state
+from ctxrelay.models.sampling import Sampling, TokenLogprob
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP, Decision, Fallback, decide, requestable
@@ -50,6 +51,8 @@ class RelayResult:
     decision: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     first_logits: torch.Tensor | None = None  # [V], for agreement checks
+    finish_reason: str = "length"  # "stop": end-of-text or a stop string (runner.Generation)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, where the Sampling asked for them
 
     @property
     def components_s(self) -> float:
@@ -158,11 +161,14 @@ class ModelPool:
         temperature: float = 0.0,
         quality_threshold: float | None = None,
         on_token: Callable[[int], None] | None = None,
+        sampling: Sampling | None = None,
     ) -> RelayResult:
         """Continue `context` (a state, or the text whose state a sender left in the store) on `receiver`.
 
-        `on_token` sees each generated token as soon as it is chosen (for streaming)."""
+        `on_token` sees each generated token as soon as it is chosen (for streaming). `sampling`, when
+        given, is how decode chooses tokens (its temperature, not `temperature`, applies)."""
         check_request(context if isinstance(context, str) else context.text, suffix, max_new_tokens, temperature)
+        gen_kw = dict(on_token=on_token, sampling=sampling)
         if transport not in requestable():
             raise UsageError(f"transport must be one of {', '.join(requestable())}, not {transport!r}")
         r = self.model(receiver)
@@ -173,7 +179,7 @@ class ModelPool:
         suffix = suffix_ids(r, suffix)
         if state is None:
             timings["gate_s"] = time.perf_counter() - tg
-            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, on_token=on_token)
+            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, **gen_kw)
         n_ctx = len(context_ids(r, text))
         check_window(r, n_ctx + len(suffix), max_new_tokens)
         threshold = self.quality_threshold if quality_threshold is None else quality_threshold
@@ -189,12 +195,12 @@ class ModelPool:
         )
         timings["gate_s"] = time.perf_counter() - tg
         if d.transport == "native":
-            return self._native(r, text, suffix, t0, timings, d.reason, max_new_tokens, temperature, d, on_token)
+            return self._native(r, text, suffix, t0, timings, d.reason, max_new_tokens, temperature, d, **gen_kw)
         out, why_not = self._relay_checked(d, state, r, suffix, timings, threshold, transport == "auto")
         if out is None:
-            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, d, on_token)
+            return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, d, **gen_kw)
         tf = time.perf_counter()
-        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature, on_token=on_token)
+        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature, **gen_kw)
         timings.update(out.timings)
         timings["first_token_s"] = timings.get("first_token_s", 0.0) + (gen.ttft_s - (tf - t0))
         return RelayResult(
@@ -209,6 +215,8 @@ class ModelPool:
             decision=d.as_dict(),
             info=out.info,
             first_logits=out.logits[-1],
+            finish_reason=gen.finish_reason,
+            logprobs=gen.logprobs,
         )
 
     def _relay_checked(self, d: Decision, state, r, suffix, timings, threshold, check) -> tuple:
@@ -233,7 +241,8 @@ class ModelPool:
         return None, walk.exhausted()
 
     def native(self, receiver: str, text: str, suffix: str = "", **kw) -> RelayResult:
-        """The reference: the receiver prefills context + suffix itself."""
+        """The reference: the receiver prefills context + suffix itself (keywords: max_new_tokens,
+        temperature, on_token, sampling)."""
         check_request(text, suffix, kw.get("max_new_tokens", 32), kw.get("temperature", 0.0))
         r = self.model(receiver)
         ids = suffix_ids(r, suffix)
@@ -279,6 +288,7 @@ class ModelPool:
         temperature=0.0,
         d: Decision | None = None,
         on_token: Callable[[int], None] | None = None,
+        sampling: Sampling | None = None,
     ) -> RelayResult:
         tp = time.perf_counter()
         ids = context_ids(r, text)
@@ -286,7 +296,8 @@ class ModelPool:
         out = runner.forward(r, torch.cat([ids, suffix]))
         timings["prefill_s"] = time.perf_counter() - tp
         tf = time.perf_counter()
-        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature, on_token=on_token)
+        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature, on_token=on_token,
+                            sampling=sampling)  # fmt: skip
         timings["first_token_s"] = gen.ttft_s - (tf - t0)
         decision = d.as_dict() if d else {"transport": "native", "reason": reason}
         decision["reason"] = reason
@@ -301,6 +312,8 @@ class ModelPool:
             timings=timings,
             decision=decision,
             first_logits=out.logits[-1],
+            finish_reason=gen.finish_reason,
+            logprobs=gen.logprobs,
         )
 
 
