@@ -199,6 +199,7 @@ class ModelPool:
         out, why_not = self._relay_checked(d, state, r, suffix, timings, threshold, transport == "auto")
         if out is None:
             return self._native(r, text, suffix, t0, timings, why_not, max_new_tokens, temperature, d, **gen_kw)
+        cached = out.cache.length - len(suffix)  # before decode, which appends the answer to this cache
         tf = time.perf_counter()
         gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature, **gen_kw)
         timings.update(out.timings)
@@ -210,7 +211,7 @@ class ModelPool:
             reason=d.reason,
             ttft_s=gen.ttft_s,
             total_s=gen.total_s,
-            context_tokens=out.cache.length - len(suffix),
+            context_tokens=cached,
             timings=timings,
             decision=d.as_dict(),
             info=out.info,
