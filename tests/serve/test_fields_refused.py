@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from server_fixture import TEMPLATE, relay_pool, start
 
 from ctxrelay.serve.app import Settings, create_app
+from ctxrelay.serve.fields import REFUSED
 
 QUESTION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is a startup?"}]
 KEY = {"Authorization": "Bearer k-acme"}
@@ -27,23 +28,43 @@ def post(url: str, path: str, body: dict, headers: dict | None = None) -> httpx.
     return httpx.post(url + path, json=body, headers=KEY if headers is None else headers, timeout=60)
 
 
-CHAT_REFUSED = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"),
-    ("functions", [{"name": "f", "parameters": {}}]),
-    ("function_call", "auto"),
-    ("response_format", {"type": "json_object"}),
-    ("n", 2),
-    ("audio", {"voice": "alloy", "format": "wav"}),
-    ("modalities", ["text", "audio"]),
-    ("web_search_options", {}),
-    ("repetition_penalty", 1.2),
-    ("min_p", 0.1),
-    ("guided_json", {"type": "object"}),
-    ("ignore_eos", True),
-    ("stop_token_ids", [5]),
-]
+# a value that asks for something, for every field fields.REFUSED names (the test below checks it is every one)
+ASKING = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "auto",
+    "functions": [{"name": "f", "parameters": {}}],
+    "function_call": "auto",
+    "response_format": {"type": "json_object"},
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "web_search_options": {},
+    "best_of": 2,
+    "echo": True,
+    "suffix": "end",
+    "repetition_penalty": 1.2,
+    "min_p": 0.1,
+    "use_beam_search": True,
+    "prompt_logprobs": 1,
+    "stop_token_ids": [5],
+    "include_stop_str_in_output": True,
+    "ignore_eos": True,
+    "allowed_token_ids": [1, 2],
+    "bad_words": ["fox"],
+    "skip_special_tokens": False,
+    "guided_json": {"type": "object"},
+    "guided_regex": "a+",
+    "guided_choice": ["a", "b"],
+    "guided_grammar": "root ::= 'a'",
+    "structured_outputs": {"json": {"type": "object"}},
+}
+CHAT_REFUSED = [*ASKING.items(), ("n", 2)]
 COMPLETION_REFUSED = [("best_of", 2), ("echo", True), ("suffix", "end"), ("n", 3)]
+
+
+def test_every_refused_field_is_tested():
+    assert set(ASKING) == set(REFUSED)
+
+
 OUT_OF_BOUNDS = [
     ("top_p", 1.5),
     ("top_logprobs", 21),
