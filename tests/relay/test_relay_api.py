@@ -7,6 +7,7 @@ from conftest import SAMPLE_TEXT, assert_components_cover_ttft
 from ctxrelay.artifact import Artifact, model_binding
 from ctxrelay.errors import BindingError
 from ctxrelay.models import runner
+from ctxrelay.models.sampling import Sampling
 from ctxrelay.relay import ModelPool
 from ctxrelay.relay.gate import decide, reason_for
 from ctxrelay.relay.graph import CostModel, Profile, TransportGraph, edge_key
@@ -39,9 +40,21 @@ def test_self_reuse_is_exact_and_skips_prefill(pool):
     assert res.transport == "self"
     assert (res.first_logits - ref.first_logits).abs().max() < 1e-4
     assert res.tokens == ref.tokens
+    assert res.context_tokens == ref.context_tokens == state.num_tokens  # not the decoded answer as well
     no_suffix = pool.continue_from(state, llama.name, "", max_new_tokens=1)
     ids = torch.as_tensor(state.tokens)
     assert (no_suffix.first_logits - runner.forward(llama, ids).logits[-1]).abs().max() < 1e-4
+
+
+def test_sampling_passes_through_relay_and_native_alike(pool):
+    llama = next(iter(pool.models.values()))
+    state = pool.prefill(llama.name, SAMPLE_TEXT, tenant="acme")
+    s = Sampling(temperature=1.2, seed=5, top_p=0.9, logprobs=2)
+    res = pool.continue_from(state, llama.name, SUFFIX, max_new_tokens=6, sampling=s)
+    ref = pool.native(llama.name, SAMPLE_TEXT, SUFFIX, max_new_tokens=6, sampling=s)
+    assert res.transport == "self" and res.tokens == ref.tokens and len(res.logprobs) == len(res.tokens)
+    assert [lp.logprob for lp in res.logprobs] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-4)
+    assert res.finish_reason == ref.finish_reason
 
 
 def test_component_timings_sum_to_end_to_end(pool):

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from ctxrelay.models.attention import AttnCall, AttnFn, ProbsCallback, QKCallback, eager_attention, native_attention
+from ctxrelay.models.sampling import Sampler, Sampling, StopText, TokenLogprob
 from ctxrelay.models.spec import LoadedModel
 
 
@@ -409,9 +410,11 @@ def early_kv(m: LoadedModel, ids: torch.Tensor, n_layers: int) -> list[tuple[tor
 @dataclass
 class Generation:
     tokens: list[int]
-    text: str
+    text: str  # ends before a stop string where one ended the decode
     ttft_s: float  # prefill of `ids` + choice of the first token
     total_s: float
+    finish_reason: str = "length"  # "stop": end-of-text or a stop string; "length": max_new_tokens reached
+    logprobs: list[TokenLogprob] | None = None  # per token, where Sampling.logprobs asked for them
 
 
 @torch.inference_mode()
@@ -443,34 +446,41 @@ def decode(
     seed: int = 0,
     stop_at_eos: bool = True,
     on_token: Callable[[int], None] | None = None,
+    sampling: Sampling | None = None,
 ) -> Generation:
     """Decode from next-token `logits` [V] over `cache`; times are measured from `t0` (request start).
 
-    `on_token` sees each kept token as soon as it is chosen (a server streams them)."""
-    gen = torch.Generator().manual_seed(seed)
+    `sampling` (models/sampling.py), when given, carries temperature and seed too; without it the
+    choice is greedy at temperature 0, else seeded sampling. `on_token` sees each kept token as soon
+    as it is chosen (a server streams them)."""
     eos = eos_ids(m)
+    s = sampling or Sampling(temperature=temperature, seed=seed)
+    pick, stops = Sampler(s, logits.numel(), eos if stop_at_eos else set()), StopText(s.stop, s.min_tokens)
     cache.reserve(cache.length + max_new_tokens)  # one allocation for the whole decode
     tokens: list[int] = []
-    ttft = 0.0
+    ttft, finish, cut = 0.0, "length", None
     step_logits = logits.view(-1)
     for step in range(max_new_tokens):
-        if temperature > 0:
-            p = torch.softmax(step_logits.float() / temperature, dim=-1)
-            nxt = int(torch.multinomial(p, 1, generator=gen))
-        else:
-            nxt = int(step_logits.argmax())
+        nxt = pick.choose(step_logits, len(tokens))
         if step == 0:
             ttft = time.perf_counter() - t0
         if stop_at_eos and nxt in eos:
+            finish = "stop"
             break
         tokens.append(nxt)
         if on_token is not None:
             on_token(nxt)
+        cut = stops.cut(m.tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)) if s.stop else None
+        if cut is not None:  # 0 too: the text began with a stop string
+            finish = "stop"
+            break
         if step + 1 < max_new_tokens:
             out = forward(m, torch.tensor([nxt]), cache)
             cache, step_logits = out.cache, out.logits[-1]
     total = time.perf_counter() - t0
-    return Generation(tokens, m.tokenizer.decode(tokens, skip_special_tokens=True), ttft, total)
+    text = m.tokenizer.decode(tokens, skip_special_tokens=True)[:cut]
+    logprobs = pick.logprobs[: len(tokens)] if s.logprobs is not None else None  # never end-of-text's
+    return Generation(tokens, text, ttft, total, finish, logprobs)
 
 
 def eos_ids(m: LoadedModel) -> set[int]:

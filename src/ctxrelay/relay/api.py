@@ -25,6 +25,7 @@ from ctxrelay.artifact import Artifact
 from ctxrelay.errors import BindingError, CtxrelayError, UsageError
 from ctxrelay.models import runner
 from ctxrelay.models.capture import capture_state, extend_state
+from ctxrelay.models.sampling import Sampling, TokenLogprob
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.relay.gate import DEFAULT_QUALITY, MIN_SPEEDUP, Decision, Fallback, decide, requestable
@@ -50,6 +51,8 @@ class RelayResult:
     decision: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     first_logits: torch.Tensor | None = None  # [V], for agreement checks
+    finish_reason: str = "length"  # "stop": end-of-text or a stop string (runner.Generation)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, where the Sampling asked for them
 
     @property
     def components_s(self) -> float:
@@ -182,10 +185,13 @@ class ModelPool:
         temperature: float = 0.0,
         quality_threshold: float | None = None,
         on_token: Callable[[int], None] | None = None,
+        sampling: Sampling | None = None,
     ) -> RelayResult:
         """Continue `context` (a state, or the text whose state a sender left in the store) on `receiver`.
 
-        `on_token` sees each generated token as soon as it is chosen (for streaming)."""
+        `on_token` sees each generated token as soon as it is chosen (for streaming). `sampling`, when
+        given, is how decode chooses tokens (its temperature, not `temperature`, applies)."""
+        gen_kw = dict(on_token=on_token, sampling=sampling)
         p = self.prepare(
             context, receiver, suffix, tenant=tenant, sender=sender, transport=transport,
             max_new_tokens=max_new_tokens, temperature=temperature, quality_threshold=quality_threshold,
@@ -193,11 +199,11 @@ class ModelPool:
         if p.out is None:
             return self._native(
                 p.receiver, p.text, p.suffix, p.t0, p.timings, p.reason, max_new_tokens, temperature, p.decision,
-                on_token,
+                **gen_kw,
             )  # fmt: skip
         d, out, timings = p.decision, p.out, p.timings
         tf = time.perf_counter()
-        gen = runner.decode(p.receiver, out.cache, out.logits[-1], p.t0, max_new_tokens, temperature, on_token=on_token)
+        gen = runner.decode(p.receiver, out.cache, out.logits[-1], p.t0, max_new_tokens, temperature, **gen_kw)
         timings["first_token_s"] = timings.get("first_token_s", 0.0) + (gen.ttft_s - (tf - p.t0))
         return RelayResult(
             text=gen.text,
@@ -211,6 +217,8 @@ class ModelPool:
             decision=d.as_dict(),
             info=out.info,
             first_logits=out.logits[-1],
+            finish_reason=gen.finish_reason,
+            logprobs=gen.logprobs,
         )
 
     def prepare(
@@ -289,7 +297,8 @@ class ModelPool:
         return None, walk.exhausted()
 
     def native(self, receiver: str, text: str, suffix: str = "", **kw) -> RelayResult:
-        """The reference: the receiver prefills context + suffix itself."""
+        """The reference: the receiver prefills context + suffix itself (keywords: max_new_tokens,
+        temperature, on_token, sampling)."""
         check_request(text, suffix, kw.get("max_new_tokens", 32), kw.get("temperature", 0.0))
         r = self.model(receiver)
         ids = suffix_ids(r, suffix)
@@ -335,6 +344,7 @@ class ModelPool:
         temperature=0.0,
         d: Decision | None = None,
         on_token: Callable[[int], None] | None = None,
+        sampling: Sampling | None = None,
     ) -> RelayResult:
         tp = time.perf_counter()
         ids = context_ids(r, text)
@@ -342,7 +352,8 @@ class ModelPool:
         out = runner.forward(r, torch.cat([ids, suffix]))
         timings["prefill_s"] = time.perf_counter() - tp
         tf = time.perf_counter()
-        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature, on_token=on_token)
+        gen = runner.decode(r, out.cache, out.logits[-1], t0, max_new_tokens, temperature, on_token=on_token,
+                            sampling=sampling)  # fmt: skip
         timings["first_token_s"] = gen.ttft_s - (tf - t0)
         decision = d.as_dict() if d else {"transport": "native", "reason": reason}
         decision["reason"] = reason
@@ -357,6 +368,8 @@ class ModelPool:
             timings=timings,
             decision=decision,
             first_logits=out.logits[-1],
+            finish_reason=gen.finish_reason,
+            logprobs=gen.logprobs,
         )
 
 

@@ -25,6 +25,7 @@ from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import CountedStore, Metrics
 from ctxrelay.serve.openai_api import Limits, router
 from ctxrelay.serve.shared_sessions import open_sessions
+from ctxrelay.serve.tokenize_api import router as tokenize_router
 
 
 @dataclass
@@ -77,6 +78,7 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
     tenant_of = Depends(auth)
     app.state.engine, app.state.sessions = engine, sessions
     app.include_router(router(engine, sessions, auth, settings.limits))
+    app.include_router(tokenize_router(engine, auth))  # /tokenize, /detokenize (vLLM's)
 
     @app.middleware("http")
     async def count(request: Request, call_next):

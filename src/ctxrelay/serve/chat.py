@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ctxrelay.models.spec import LoadedModel
+from ctxrelay.models.tokens import context_ids
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.text import checked_text
 
@@ -54,16 +55,18 @@ def transcript(messages: list[dict[str, str]]) -> str:
     return "".join(f"{m['role']}: {m['content'].strip()}\n\n" for m in messages)
 
 
-def render(m: LoadedModel, messages: list[dict[str, str]], *, after_context: bool) -> str:
+def render(
+    m: LoadedModel, messages: list[dict[str, str]], *, after_context: bool, generation_prompt: bool = True
+) -> str:
     """The new turn in the receiver's own chat template, ending with its generation prompt.
 
     A BOS the template writes is dropped where it would be read twice or mid-sequence: after a
     context, or where the tokenizer adds BOS itself (models/tokens.py reads contexts that way)."""
     tok = m.tokenizer
     if not getattr(tok, "chat_template", None):
-        return transcript(messages) + GENERATION_PROMPT
+        return transcript(messages) + (GENERATION_PROMPT if generation_prompt else "")
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as e:  # a template's own checks (roles must alternate, ...) are the request's fault
         msg = f"the chat template of {m.spec.name} refused these messages: {e}"
         raise ApiError(400, msg, param="messages") from None
@@ -71,6 +74,13 @@ def render(m: LoadedModel, messages: list[dict[str, str]], *, after_context: boo
     if bos and text.startswith(bos) and (after_context or _adds_bos(tok)):
         text = text[len(bos) :]
     return text
+
+
+def prompt_ids(m: LoadedModel, messages: list[dict[str, str]], *, generation_prompt: bool = True) -> list[int]:
+    """The receiver's own tokens of a whole conversation (its chat template over every message, read as a
+    context): what a native prefill reads, what `usage.prompt_tokens` and /tokenize count whatever the
+    transport (a relayed turn reads the history in transcript form, which has other tokens)."""
+    return context_ids(m, render(m, messages, after_context=False, generation_prompt=generation_prompt)).tolist()
 
 
 def _adds_bos(tok) -> bool:

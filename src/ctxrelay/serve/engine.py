@@ -17,9 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ctxrelay.errors import UsageError
+from ctxrelay.models.sampling import Sampling
 from ctxrelay.models.tokens import suffix_ids
 from ctxrelay.relay.api import ModelPool, RelayResult
-from ctxrelay.serve.chat import render, transcript
+from ctxrelay.serve.chat import prompt_ids, render, transcript
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import Metrics
 from ctxrelay.serve.sessions import Session
@@ -38,7 +39,7 @@ class Served:
         return self.result.text
 
     def finish_reason(self, max_tokens: int) -> str:
-        return "length" if len(self.result.tokens) >= max_tokens else "stop"
+        return self.result.finish_reason  # decode's own: end-of-text and stop strings are "stop"
 
 
 class Engine:
@@ -105,6 +106,7 @@ class Engine:
     def chat(
         self, tenant: str, model: str, messages: list[dict[str, str]], session: Session | None, *,
         max_tokens: int, temperature: float, transport: str = "auto", on_token: OnToken = None,
+        sampling: Sampling | None = None,
     ) -> Served:  # fmt: skip
         """One chat turn. With a session, the conversation so far is relayed from the state the
         previous turn's model left and only the new turn (in `model`'s template) is prefilled."""
@@ -114,9 +116,11 @@ class Engine:
             raise ApiError(400, "no new message: the request only repeats the conversation so far", param="messages")
         m = self.pool.models[model]
         suffix = render(m, new, after_context=bool(history))
-        gen = dict(max_new_tokens=max_tokens, temperature=temperature, on_token=on_token)
+        gen = dict(max_new_tokens=max_tokens, temperature=temperature, on_token=on_token, sampling=sampling)
         relay = session is not None and session.state is not None
         relayed_from = session.model if session else None
+        # usage counts the receiver's own rendering of the whole conversation, whatever this turn reads
+        prompt_tokens = len(prompt_ids(m, [*history, *new]))
         with self.computing() as waited:
             if relay:
                 res = self.pool.continue_from(session.state, model, suffix, tenant=tenant, transport=transport, **gen)
@@ -130,10 +134,9 @@ class Engine:
                 )
             capture_s = self._leave_state(session, model, tenant, [*history, *new], res.text) if session else 0.0
         n_suffix = len(suffix_ids(m, suffix)) if history else 0  # a separate suffix only after a context
-        prompt_tokens = res.context_tokens + n_suffix
         report = self._report(res, model, waited, capture_s)
         # what this turn prefilled natively: only the new turn when the history was relayed
-        report["prefilled_tokens"] = n_suffix if res.transport != "native" else prompt_tokens
+        report["prefilled_tokens"] = n_suffix if res.transport != "native" else res.context_tokens + n_suffix
         if session is not None:
             report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
             # None: a full prefill (or no state: the conversation outgrew the window)
@@ -157,12 +160,13 @@ class Engine:
         return time.perf_counter() - t
 
     def complete(
-        self, model: str, prompt: str, *, max_tokens: int, temperature: float, on_token: OnToken = None
-    ) -> Served:
+        self, model: str, prompt: str, *, max_tokens: int, temperature: float, on_token: OnToken = None,
+        sampling: Sampling | None = None,
+    ) -> Served:  # fmt: skip
         """A plain completion: the prompt is prefilled natively (completions keep no conversation)."""
         with self.computing() as waited:
             res = self.pool.native(model, prompt, "", max_new_tokens=max_tokens, temperature=temperature,
-                                   on_token=on_token)  # fmt: skip
+                                   on_token=on_token, sampling=sampling)  # fmt: skip
         res.reason = res.decision["reason"] = "completion: stateless prompt"
         return Served(res, self._report(res, model, waited, 0.0), res.context_tokens)
 

@@ -5,7 +5,8 @@ What ctxrelay adds rides in fields the openai client passes through (`extra_body
 `transport` ("auto" by default, or a transport name, or "native"). Each response carries a
 `ctxrelay` field (transport, reason, TTFT and its components, the conversation id) and the
 X-Ctxrelay-* headers; a stream sends the `ctxrelay` field in its last chunk, since its headers
-leave before the turn runs. Temperature defaults to 0 (greedy).
+leave before the turn runs. Temperature defaults to 0 (greedy). The sampling fields, logprobs and
+the fields refused are fields.py's.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ctxrelay.models.sampling import MAX_LOGPROBS, Sampling, StopText
+from ctxrelay.models.spec import LoadedModel
 from ctxrelay.relay.gate import requestable
 from ctxrelay.serve.chat import normalise
 from ctxrelay.serve.engine import Engine, Served
 from ctxrelay.serve.errors import ApiError
+from ctxrelay.serve.fields import chat_logprobs, completion_logprobs, refuse_unsupported, sampling_of
 from ctxrelay.serve.sessions import Conversations, Session
 from ctxrelay.serve.streaming import TextDeltas, sse, stream
 
@@ -34,11 +38,20 @@ class Limits:
 
 
 class _Generate(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # sampling knobs we do not implement are ignored
+    # undeclared fields are kept (model_extra) so that fields.refuse_unsupported can refuse the known
+    # unsupported ones; the others are ignored
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's; -1 or 0: off
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)  # vLLM's: end-of-text and stop strings only from this many tokens on
     stream: bool = False
     stream_options: dict | None = None
     n: int = 1
@@ -49,11 +62,14 @@ class _Generate(BaseModel):
 class ChatRequest(_Generate):
     messages: list[dict]
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     conversation: str | None = None  # ctxrelay: "new", or an id this server issued
 
 
 class CompletionRequest(_Generate):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the legacy field: how many top tokens
     conversation: str | None = None  # refused: completions keep no conversation
 
 
@@ -78,37 +94,43 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
     api = APIRouter(prefix="/v1")
     Tenant = Depends(tenant_of)
 
-    def checked(req: _Generate, max_tokens: int | None) -> int:
+    def checked(req: _Generate, max_tokens: int | None, logprobs: int | None) -> tuple[int, Sampling]:
         engine.model_or_404(req.model)
+        refuse_unsupported(req.model_extra)
         if req.n != 1:
             raise ApiError(400, "n must be 1 (one choice per request)", param="n")
-        if req.stop:
-            raise ApiError(400, "stop sequences are not supported; use max_tokens", param="stop")
         if req.transport not in requestable():
             raise ApiError(400, f"transport must be one of {', '.join(requestable())}", param="transport")
         n = max_tokens or limits.default_max_tokens
         if n > limits.max_tokens:
             raise ApiError(400, f"max_tokens {n} is above this server's limit {limits.max_tokens}", param="max_tokens")
-        return n
+        if req.min_tokens > n:
+            raise ApiError(400, f"min_tokens {req.min_tokens} is above max_tokens {n}", param="min_tokens")
+        return n, sampling_of(req, logprobs, engine.pool.models[req.model].spec.vocab_size)
 
     @api.get("/models")
     def models(tenant: str = Tenant) -> dict:
-        return {"object": "list", "data": [_model(name) for name in engine.pool.models]}
+        return {"object": "list", "data": [_model(m) for m in engine.pool.models.values()]}
 
     @api.get("/models/{name:path}")
     def model(name: str, tenant: str = Tenant) -> dict:
-        return _model(engine.model_or_404(name))
+        return _model(engine.pool.models[engine.model_or_404(name)])
 
     @api.post("/chat/completions")
     def chat(req: ChatRequest, request: Request, tenant: str = Tenant):
-        max_tokens = checked(req, req.max_completion_tokens or req.max_tokens)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        max_tokens, sampling = checked(req, req.max_completion_tokens or req.max_tokens,
+                                       (req.top_logprobs or 0) if req.logprobs else None)  # fmt: skip
+        tok = engine.pool.models[req.model].tokenizer
         messages = normalise(req.messages)
         session = _session(sessions, req.conversation, request.headers.get("x-conversation-id"), tenant)
         release = _hold(engine, session, sessions)
         base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": req.model}
 
         def work(on_token=None) -> Served:
-            opts = dict(max_tokens=max_tokens, temperature=req.temperature or 0.0, transport=req.transport)
+            opts = dict(max_tokens=max_tokens, temperature=sampling.temperature, transport=req.transport,
+                        sampling=sampling)  # fmt: skip
             served = engine.chat(tenant, req.model, messages, session, on_token=on_token, **opts)
             if session is not None:
                 sessions.save(session)  # before the reply leaves: the next turn may go to another process
@@ -119,23 +141,27 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
             chunk = lambda d: {**obj, "choices": [{"index": 0, "delta": {"content": d}, "finish_reason": None}]}
 
             def closing(s: Served) -> list[dict]:
-                end = {"index": 0, "delta": {}, "finish_reason": s.finish_reason(max_tokens)}
+                # a stream's logprobs come whole in its last choice chunk (clients concatenate content[])
+                lp = chat_logprobs(tok, s.result.logprobs)
+                end = {"index": 0, "delta": {}, "logprobs": lp, "finish_reason": s.finish_reason(max_tokens)}
                 return _closing(obj, end, s, req.stream_options)
 
             first = {**obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-            return _streamed(work, engine, req.model, chunk, closing, release, first, session)
+            return _streamed(work, engine, req.model, chunk, closing, release, first, session, sampling)
         try:
             s = work()
         finally:
             release()
         msg = {"role": "assistant", "content": s.text}
-        choice = {"index": 0, "message": msg, "finish_reason": s.finish_reason(max_tokens)}
+        lp = chat_logprobs(tok, s.result.logprobs)
+        choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": s.finish_reason(max_tokens)}
         body = {**base, "object": "chat.completion", "choices": [choice], "usage": usage(s), "ctxrelay": s.report}
         return _json(body, s.report)
 
     @api.post("/completions")
     def completions(req: CompletionRequest, request: Request, tenant: str = Tenant):
-        max_tokens = checked(req, req.max_tokens)
+        max_tokens, sampling = checked(req, req.max_tokens, req.logprobs)
+        tok = engine.pool.models[req.model].tokenizer
         if req.conversation or request.headers.get("x-conversation-id"):
             raise ApiError(400, "completions keep no conversation; use /v1/chat/completions", param="conversation")
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
@@ -146,26 +172,31 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
                 "model": req.model}  # fmt: skip
 
         def work(on_token=None) -> Served:
-            return engine.complete(req.model, prompts[0], max_tokens=max_tokens,
-                                   temperature=req.temperature or 0.0, on_token=on_token)  # fmt: skip
+            return engine.complete(req.model, prompts[0], max_tokens=max_tokens, temperature=sampling.temperature,
+                                   on_token=on_token, sampling=sampling)  # fmt: skip
 
+        choice = lambda text, lp, fin: {"index": 0, "text": text, "logprobs": lp, "finish_reason": fin}
+        logprobs = lambda s: completion_logprobs(tok, s.result.logprobs)
         if req.stream:
-            choice = lambda text, fin: {"index": 0, "text": text, "logprobs": None, "finish_reason": fin}
-            chunk = lambda d: {**base, "choices": [choice(d, None)]}
-            closing = lambda s: _closing(base, choice("", s.finish_reason(max_tokens)), s, req.stream_options)
-            return _streamed(work, engine, req.model, chunk, closing, release, None, None)
+            chunk = lambda d: {**base, "choices": [choice(d, None, None)]}
+            end = lambda s: choice("", logprobs(s), s.finish_reason(max_tokens))  # logprobs whole, at the end
+            closing = lambda s: _closing(base, end(s), s, req.stream_options)
+            return _streamed(work, engine, req.model, chunk, closing, release, None, None, sampling)
         try:
             s = work()
         finally:
             release()
-        choice = {"index": 0, "text": s.text, "logprobs": None, "finish_reason": s.finish_reason(max_tokens)}
-        return _json({**base, "choices": [choice], "usage": usage(s), "ctxrelay": s.report}, s.report)
+        one = choice(s.text, logprobs(s), s.finish_reason(max_tokens))
+        return _json({**base, "choices": [one], "usage": usage(s), "ctxrelay": s.report}, s.report)
 
     return api
 
 
-def _model(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "ctxrelay"}
+def _model(m: LoadedModel) -> dict:
+    # max_model_len (vLLM's name): the context window, prompt and answer together; None where unstated
+    name = m.spec.name
+    return {"id": name, "object": "model", "created": 0, "owned_by": "ctxrelay", "root": name, "parent": None,
+            "max_model_len": m.spec.context_window}  # fmt: skip
 
 
 def _session(sessions: Conversations, field: str | None, header: str | None, tenant: str) -> Session | None:
@@ -203,8 +234,11 @@ def _closing(obj: dict, end_choice: dict, s: Served, stream_options: dict | None
     return out
 
 
-def _streamed(work, engine: Engine, model: str, chunk, closing, release, first: dict | None, session) -> Response:
-    deltas = TextDeltas(engine.pool.models[model].tokenizer)
+def _streamed(
+    work, engine: Engine, model: str, chunk, closing, release, first: dict | None, session, sampling: Sampling
+) -> Response:
+    # the stream cuts at stop strings by decode's own rule, so it never shows text the whole answer cuts
+    deltas = TextDeltas(engine.pool.models[model].tokenizer, StopText(sampling.stop, sampling.min_tokens))
     body = stream(work, deltas, chunk, closing, release)
     if first is not None:
         body = _prepend(sse(first), body)

@@ -17,6 +17,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 
 from ctxrelay.errors import CtxrelayError
+from ctxrelay.models.sampling import StopText
 from ctxrelay.serve.engine import Served
 from ctxrelay.serve.errors import error_body
 
@@ -28,14 +29,19 @@ def sse(obj: dict | str) -> str:
 
 
 class TextDeltas:
-    """The text each new token adds to the decoded whole."""
+    """The text each new token adds to the decoded whole; with stop strings, never what could still
+    begin one (held back until it does not) nor anything from one on."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, stops: StopText | None = None):
         self.tok, self.ids, self.sent = tokenizer, [], ""
+        self.stops = stops or StopText()
 
     def push(self, token: int) -> str:
         self.ids.append(token)
         text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if self.stops.stops:
+            cut = self.stops.cut(text, len(self.ids))
+            text = text[: len(text) - self.stops.held(text)] if cut is None else text[:cut]
         if text.endswith("\ufffd") or not text.startswith(self.sent):
             return ""
         delta, self.sent = text[len(self.sent) :], text

@@ -27,9 +27,10 @@ from ctxrelay.engines.kv_payload import KVPayload
 from ctxrelay.engines.vllm_params import cache_salt, kv_params
 from ctxrelay.engines.vllm_server import EngineConfig, VllmServer
 from ctxrelay.models import runner
+from ctxrelay.models.sampling import Sampling, TokenLogprob
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.relay.api import ModelPool, Prepared, RelayResult, check_window
-from ctxrelay.serve.chat import render, transcript
+from ctxrelay.serve.chat import prompt_ids, render, transcript
 from ctxrelay.serve.engine import Engine, OnToken, Served
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import Metrics
@@ -95,6 +96,7 @@ class VllmEngine(Engine):
     def chat(
         self, tenant: str, model: str, messages: list[dict[str, str]], session: Session | None, *,
         max_tokens: int, temperature: float, transport: str = "auto", on_token: OnToken = None,
+        sampling: Sampling | None = None,
     ) -> Served:  # fmt: skip
         history = session.messages if session else []
         new = session.new_messages(messages) if session else messages
@@ -126,7 +128,8 @@ class VllmEngine(Engine):
         # a stateless turn is all context (as engine.py counts it); otherwise the new turn is the suffix
         n_suffix = len(prep.suffix) if prep is not None else len(suffix_ids(m, suffix)) if history else 0
         res = self.generate(
-            model, ids, tenant, t0, max_tokens, temperature, on_token, kv, prep, reason, len(ids) - n_suffix
+            model, ids, tenant, t0, max_tokens, temperature, on_token, kv, prep, reason, len(ids) - n_suffix,
+            sampling=sampling,
         )
         capture_s = self._leave_state(session, model, tenant, [*history, *new], res.text) if session else 0.0
         report = self._report(res, model, waited, capture_s)
@@ -136,17 +139,19 @@ class VllmEngine(Engine):
         if session is not None:
             report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
             report["capture_extended_from"] = session.state.meta.get("extended_from") if session.state else None
-        return Served(res, report, len(ids))
+        # usage counts the receiver's own chat template over the whole conversation, whatever was prefilled
+        return Served(res, report, len(prompt_ids(m, [*history, *new])))
 
     def complete(
-        self, model: str, prompt: str, *, max_tokens: int, temperature: float, on_token: OnToken = None
+        self, model: str, prompt: str, *, max_tokens: int, temperature: float, on_token: OnToken = None,
+        sampling: Sampling | None = None,
     ) -> Served:
         m = self.pool.models[model]
         ids = context_ids(m, prompt).tolist()
         check_window(m, len(ids), max_tokens)
         res = self.generate(
             model, ids, "", time.perf_counter(), max_tokens, temperature, on_token, None, None,
-            "completion: stateless prompt", len(ids),
+            "completion: stateless prompt", len(ids), sampling=sampling,
         )  # fmt: skip
         report = self._report(res, model, 0.0, 0.0)
         report["engine"] = self.engine_facts(model)
@@ -175,15 +180,16 @@ class VllmEngine(Engine):
     def generate(
         self, model: str, ids: list[int], tenant: str, t0: float, max_tokens: int, temperature: float,
         on_token: OnToken, kv: tuple[Path, int] | None, prep: Prepared | None, reason: str, context_tokens: int = 0,
-        salt: str | None = None,
+        salt: str | None = None, sampling: Sampling | None = None,
     ) -> RelayResult:  # fmt: skip
         """Stream the engine's completion of `ids`, handing each token to `on_token`; TTFT from `t0`. The
         prefix-cache salt is the tenant's, or one of its own for a relayed (approximate) cache."""
         server = self.servers[model]
         eos = runner.eos_ids(self.pool.models[model])  # the engine returns the token it stopped at
         body = {
-            "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "return_token_ids": True, "skip_special_tokens": True, "seed": 0,
+            **_sampling_fields(sampling or Sampling(temperature=temperature)),
+            "model": model, "prompt": ids, "max_tokens": max_tokens, "stream": True,
+            "return_token_ids": True, "skip_special_tokens": True, "return_tokens_as_token_ids": True,
             "stream_options": {"include_usage": True},
             # approximate K/V gets a salt of its own: its blocks never answer a later lookup
             "cache_salt": salt or cache_salt(tenant, uuid.uuid4().hex if kv else ""),
@@ -193,7 +199,7 @@ class VllmEngine(Engine):
         timings = dict(prep.timings) if prep is not None else {}
         te = time.perf_counter()
         tokens: list[int] = []
-        text, ttft, usage = [], None, {}
+        text, ttft, usage, finish, logprobs = [], None, {}, "length", []
         try:
             with self._http.stream("POST", server.url + "/v1/completions", json=body) as r:
                 if r.status_code != 200:
@@ -208,6 +214,8 @@ class VllmEngine(Engine):
                         if new and ttft is None:
                             ttft = time.perf_counter() - t0
                         text.append(c.get("text") or "")
+                        finish = c.get("finish_reason") or finish
+                        logprobs += _token_logprobs(c.get("logprobs"), eos)
                         for tok in new:
                             if tok in eos:
                                 continue
@@ -231,5 +239,36 @@ class VllmEngine(Engine):
         return RelayResult(
             text="".join(text), tokens=tokens, transport=transport, reason=reason, ttft_s=ttft, total_s=total,
             context_tokens=context_tokens, timings=timings, decision=decision,
-            info={**(prep.out.info if relayed else {}), "engine_cached_tokens": cached},
+            info={**(prep.out.info if relayed else {}), "engine_cached_tokens": cached}, finish_reason=finish,
+            logprobs=logprobs if sampling is not None and sampling.logprobs is not None else None,
         )  # fmt: skip
+
+
+def _sampling_fields(s: Sampling) -> dict:
+    """The engine's request fields of a Sampling (vLLM reads the same OpenAI fields and its own extras)."""
+    out = {
+        "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1, "seed": s.seed,
+        "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty, "min_tokens": s.min_tokens,
+    }  # fmt: skip
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.logit_bias:
+        out["logit_bias"] = {str(t): b for t, b in s.logit_bias}
+    if s.logprobs is not None:
+        out["logprobs"] = s.logprobs
+    return out
+
+
+def _token_logprobs(lp: dict | None, eos: set[int]) -> list[TokenLogprob]:
+    """The engine's legacy-completions logprobs of one chunk (tokens as "token_id:N") as TokenLogprobs."""
+    if not lp:
+        return []
+    out = []
+    tops = lp.get("top_logprobs") or [None] * len(lp.get("tokens") or [])
+    for tok, val, top in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], tops, strict=False):
+        t = int(str(tok).rsplit(":", 1)[-1])
+        if t in eos:
+            continue
+        best = sorted(((int(k.rsplit(":", 1)[-1]), v) for k, v in (top or {}).items()), key=lambda x: -x[1])
+        out.append(TokenLogprob(t, float(val), tuple(best)))
+    return out
