@@ -432,7 +432,6 @@ def serve(
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) with conversations
     that move between models, plus /prefill, /continue, /graph, /models, /healthz and /metrics."""
     from ctxrelay.engines.vllm_server import EngineConfig
-    from ctxrelay.errors import UsageError
     from ctxrelay.relay.api import ModelPool
     from ctxrelay.serve.app import Settings
     from ctxrelay.serve.app import serve as run_server
@@ -441,24 +440,12 @@ def serve(
 
     digests = load_keys(keys or None)
     check_exposure(host, digests)  # before loading models: a refused start costs nothing
-    if engine == "vllm":  # starting engines and measuring their costs takes minutes: say what is going on
-        import logging
-
-        from rich.logging import RichHandler
-
-        logging.getLogger("ctxrelay").addHandler(RichHandler(console=console, show_path=False))
-        logging.getLogger("ctxrelay").setLevel(logging.INFO)
     set_threads(threads or None)
-    if engine not in ("native", "vllm") or engine_mode not in ("eager", "compiled"):
-        raise UsageError("--engine is native or vllm, --engine-mode eager or compiled")
+    config = EngineConfig.from_options(engine, engine_mode, engine_dtype, engine_kv_gib, engine_profile_lengths)
     pool = ModelPool(
         [m for m in models.split(",") if m], store=store, quality_threshold=quality_threshold, engine=engine != "native"
     )
     limits = Limits(default_max_tokens=min(64, max_tokens), max_tokens=max_tokens)
-    config = EngineConfig(
-        dtype=engine_dtype, compiled=engine_mode == "compiled", kv_space_gib=engine_kv_gib,
-        profile_lengths=tuple(int(n) for n in engine_profile_lengths.split(",") if n),
-    )  # fmt: skip
     settings = Settings(
         keys=digests, max_queue=max_queue, request_timeout_s=request_timeout, max_sessions=max_sessions,
         max_state_bytes=max_state_mb << 20, limits=limits, sessions=sessions, session_lock_ttl_s=session_lock_ttl,

@@ -60,6 +60,18 @@ class EngineConfig:
     profile_lengths: tuple[int, ...] = (2048, 4096)  # where the gate's engine costs are measured (then interpolated)
     extra_args: list[str] = field(default_factory=list)
 
+    @staticmethod
+    def from_options(engine: str, mode: str, dtype: str, kv_space_gib: float, profile_lengths: str) -> EngineConfig:
+        """The config `ctxrelay serve --engine ... --engine-mode ...` asks for, checked."""
+        if engine not in ("native", "vllm") or mode not in ("eager", "compiled"):
+            raise UsageError(f"--engine is native or vllm, --engine-mode eager or compiled (got {engine}, {mode})")
+        try:
+            lengths = tuple(int(n) for n in profile_lengths.split(",") if n)
+        except ValueError:
+            bad = f"--engine-profile-lengths is a comma list of token counts, not {profile_lengths!r}"
+            raise UsageError(bad) from None
+        return EngineConfig(dtype, mode == "compiled", kv_space_gib, profile_lengths=lengths)
+
     def resolved_dtype(self, isa: str) -> str:
         if self.dtype != "auto":
             return self.dtype

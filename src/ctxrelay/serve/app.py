@@ -7,6 +7,7 @@ never from the request, so one tenant cannot name another's state or conversatio
 
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -167,6 +168,11 @@ def _engine(pool: ModelPool, metrics: Metrics, settings: Settings) -> Engine:
     from ctxrelay import paths
     from ctxrelay.results import machine_facts
     from ctxrelay.serve.vllm_engine import VllmEngine
+
+    logger = logging.getLogger("ctxrelay")
+    if not logger.handlers:  # starting engines and measuring their costs takes minutes: say what is going on
+        logger.addHandler(logging.StreamHandler())
+        logger.setLevel(logging.INFO)
 
     isa = machine_facts()["isa"]
     return VllmEngine.start(pool, metrics, settings.engine_config, isa, paths.cache_dir(), **kw)
