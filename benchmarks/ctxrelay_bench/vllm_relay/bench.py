@@ -132,7 +132,10 @@ def direction_rows(engine: VllmEngine, sender: str, recv: str, cases: list, opts
             prep = pool.prepare(case.context, recv, question, tenant=TENANT, sender=sender,
                                 quality_threshold=threshold, max_new_tokens=n_new)  # fmt: skip
             kv = engine.payload(prep, TENANT) if prep.relayed else None
-            res = engine.generate(recv, ids, TENANT, t0, n_new, 0.0, None, kv, prep, prep.reason, len(ref.ctx))
+            cold = cache_salt(TENANT, f"{label}-{time.monotonic_ns()}")  # a declined relay's prefill is cold too
+            res = engine.generate(
+                recv, ids, TENANT, t0, n_new, 0.0, None, kv, prep, prep.reason, len(ref.ctx), salt=cold
+            )
             row = {
                 "relay_ttft_s": res.ttft_s, "engine_native_ttft_s": native.ttft_s,
                 "engine_prefix_hit_ttft_s": hit.ttft_s, "runner_native_ttft_s": runner_s, "timings": res.timings,
