@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 
 from ctxrelay.engines.vllm_params import cpu_engine_env, transfer_config
 from ctxrelay.errors import UsageError
 
 ENV_PYTHON = "CTXRELAY_VLLM_PYTHON"  # the vLLM venv's python, where it is not ./.venv-vllm
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # an engine's K/V dtype
 START_TIMEOUT_S = 600.0  # a compiled CPU engine takes ~80 s on 2 cores; a loaded machine more
 
 

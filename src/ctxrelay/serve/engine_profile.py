@@ -19,6 +19,7 @@ import torch
 
 from ctxrelay.engines.kv_payload import KVPayload
 from ctxrelay.engines.vllm_params import cache_salt
+from ctxrelay.engines.vllm_server import DTYPES
 from ctxrelay.models import runner
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.relay.graph import NATIVE_KEY, CostModel, Profile
@@ -46,7 +47,8 @@ def engine_costs(engine, text_for: Callable, lengths: list[int], prof: Profile, 
             native.append((len(ids), {NATIVE_KEY: _median(engine, name, ids, None, repeats)}))
             with torch.inference_mode():
                 cache = runner.forward(m, torch.tensor(ids[:ctx])).cache
-            payload = KVPayload.from_cache(cache, ids[:ctx], m.spec.weights_hash, "profile", True)
+            dtype = DTYPES[engine.servers[name].dtype]
+            payload = KVPayload.from_cache(cache, ids[:ctx], m.spec.weights_hash, "profile", True, dtype)
             load.append((len(ids), {LOAD_KEY: _median(engine, name, ids, payload, repeats)}))
             log.info("engine costs of %s at %d tokens: native %.2f s, relayed load %.2f s", name, len(ids),
                      native[-1][1][NATIVE_KEY], load[-1][1][LOAD_KEY])  # fmt: skip

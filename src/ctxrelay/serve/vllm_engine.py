@@ -25,7 +25,7 @@ import httpx
 
 from ctxrelay.engines.kv_payload import KVPayload
 from ctxrelay.engines.vllm_params import cache_salt, kv_params
-from ctxrelay.engines.vllm_server import EngineConfig, VllmServer
+from ctxrelay.engines.vllm_server import DTYPES, EngineConfig, VllmServer
 from ctxrelay.models import runner
 from ctxrelay.models.sampling import Sampling, TokenLogprob
 from ctxrelay.models.tokens import context_ids, suffix_ids
@@ -37,7 +37,6 @@ from ctxrelay.serve.metrics import Metrics
 from ctxrelay.serve.sessions import Session
 
 log = logging.getLogger("ctxrelay.serve")
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 class VllmEngine(Engine):
