@@ -1,4 +1,4 @@
-"""The server stays responsive whatever its clients do (issue 59 items 3, 4, 6), on a real server
+"""The server stays responsive whatever its clients do, on a real server
 over loopback: a client that goes away stops its turn and frees compute; /healthz, /metrics and
 429 answer while compute is held and 100 requests wait; bodies over the limit get 413; a refusal
 comes before a stream's first event; /healthz names its dependencies (503 with Redis down); a
