@@ -7,9 +7,9 @@ drives it with real HTTP clients (httpx; the official openai client for the refu
   connection; a request sent at once reports how long it waited for compute (`ctxrelay.queue_wait_s`). The
   worst of `repeats` tries; passes under 0.5 s. The same long turn, not cancelled, is timed once for
   comparison (`uncancelled_turn_s`): that is what the next request waited behind before cancellation.
-- `healthz_s_100_waiting`: while one long turn computes and 100 more requests wait for it, the slowest
-  of `healthz_samples` GET /healthz; passes under 0.1 s. The waiting clients then close, and the queue
-  must drain (`drained_s`).
+- `healthz_s_100_waiting`: while one long turn computes and 100 more long turns wait for it, the slowest
+  of `healthz_samples` GET /healthz; passes under 0.1 s. The clients then close, and the queue must
+  drain (`drained_s`: every turn cancelled, the running one at its next token).
 - `overwindow_stream_status`: a streamed chat whose prompt is over the model's window: the HTTP status
   (400 passes) and that no event was streamed.
 
@@ -31,10 +31,11 @@ from pathlib import Path
 from ctxrelay.errors import UsageError
 from ctxrelay.results import write_results
 from ctxrelay.transports.base import keys_from
-from ctxrelay_bench.runs import bench_options
+from ctxrelay_bench.runs import bench_options, wait_until_quiet
 
 OPTIONS = {"port": 8393, "max_queue": 128, "waiting": 100, "long_tokens": 1024, "read_events": 8,
-           "healthz_samples": 20, "start_s": 300.0, "overwindow_words": 12000}  # fmt: skip
+           "healthz_samples": 20, "start_s": 300.0, "overwindow_words": 12000, "quiet_busy": 0.25,
+           "quiet_wait_s": 600.0}  # fmt: skip
 TUNING_KEYS = keys_from(
     OPTIONS,
     {
@@ -46,12 +47,14 @@ TUNING_KEYS = keys_from(
         "healthz_samples": "GET /healthz timed while the requests wait (the slowest is reported)",
         "start_s": "seconds the server may take to start",
         "overwindow_words": "words of the over-window prompt",
+        "quiet_busy": "busy share of the cores under which the machine counts as quiet",
+        "quiet_wait_s": "seconds to wait for a quiet machine before the checks (its busy share is recorded)",
     },
 )
 KEY = "serving-checks-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # a prompt a small instruct model answers at length, so a turn of long_tokens decodes long_tokens
-LONG_PROMPT = [{"role": "user", "content": "Count from 1 to 2000, one number per line."}]
+LONG_PROMPT = [{"role": "user", "content": "List the numbers from 1 to 1000, separated by commas."}]
 SHORT_PROMPT = [{"role": "user", "content": "Say hi."}]
 
 
@@ -139,13 +142,12 @@ def healthz_check(url: str, model: str, opts: dict) -> tuple[dict, dict]:
     async def clients() -> None:
         async with httpx.AsyncClient(headers=AUTH, timeout=600, limits=httpx.Limits(max_connections=n + 1)) as c:
 
-            async def one(messages: list[dict], max_tokens: int) -> None:
-                body = {"model": model, "messages": messages, "max_tokens": max_tokens}
+            async def one() -> None:
+                body = {"model": model, "messages": LONG_PROMPT, "max_tokens": int(opts["long_tokens"])}
                 await c.post(url + "/v1/chat/completions", json=body)
 
-            holder = asyncio.ensure_future(one(LONG_PROMPT, int(opts["long_tokens"])))
-            await asyncio.sleep(0.5)  # the long turn takes the compute lock first
-            tasks = [holder, *(asyncio.ensure_future(one(SHORT_PROMPT, 1)) for _ in range(n))]
+            # every turn long: whichever computes, the others keep waiting while /healthz is timed
+            tasks = [asyncio.ensure_future(one()) for _ in range(n + 1)]
             await stop.wait()
             for t in tasks:  # the clients give up: their connections close, their turns are cancelled
                 t.cancel()
@@ -205,6 +207,8 @@ def bench(
     command = command or f"ctxrelay bench serving-checks --model {model} --repeats {repeats}"
     port = int(opts["port"])
     url = f"http://127.0.0.1:{port}"
+    # response times: another job's load would be measured too
+    busy = wait_until_quiet(float(opts["quiet_busy"]), float(opts["quiet_wait_s"]))
     proc = start_server(model, port, threads, float(opts["start_s"]), int(opts["max_queue"]),
                         int(opts["long_tokens"]))  # fmt: skip
     rows: list[dict] = []
@@ -226,4 +230,6 @@ def bench(
         except subprocess.TimeoutExpired:
             proc.kill()
     extra = {"options": opts, "model": model, "server_threads": threads, "details": details}
+    if busy is not None:
+        extra["machine_busy_before"] = busy
     return write_results(out, rows, command, extra)
