@@ -6,6 +6,11 @@ What ctxrelay adds rides in fields the openai client passes through (`extra_body
 `ctxrelay` field (transport, reason, TTFT and its components, the conversation id) and the
 X-Ctxrelay-* headers; a stream sends the `ctxrelay` field in its last chunk, since its headers
 leave before the turn runs. Temperature defaults to 0 (greedy).
+
+The handlers are async: the body is parsed and the queue slot taken (429) on the event loop; the
+turn runs in a thread of its own (turns.py), which first opens the conversation, renders and
+tokenizes the prompt and checks it against the window. The handler answers only after that, so a
+refused stream is a plain 4xx; a client that disconnects cancels its turn.
 """
 
 from __future__ import annotations
