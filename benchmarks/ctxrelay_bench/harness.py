@@ -92,10 +92,15 @@ def start_redis(work_dir: Path) -> tuple[subprocess.Popen, str] | None:
 
 def start(pool: ModelPool, settings: Settings) -> tuple[str, Callable[[], None]]:
     """Serve `pool` on a free loopback port in a thread; returns (url, stop)."""
+    return serve_app(create_app(pool, settings))
+
+
+def serve_app(app) -> tuple[str, Callable[[], None]]:
+    """Serve an app made by create_app (a test reaches its engine) on a free loopback port in a thread."""
     import uvicorn
 
     port = free_port()
-    config = uvicorn.Config(create_app(pool, settings), host="127.0.0.1", port=port, log_level="warning")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

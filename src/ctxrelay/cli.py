@@ -415,6 +415,7 @@ def serve(
         30.0, envvar="CTXRELAY_SESSION_LOCK_TTL", help="seconds a killed process can keep a Redis conversation locked"
     ),
     max_tokens: int = typer.Option(1024, envvar="CTXRELAY_MAX_TOKENS", help="largest max_tokens a request may ask"),
+    max_body_mb: float = typer.Option(4.0, envvar="CTXRELAY_MAX_BODY_MB", help="largest request body (MiB); more: 413"),
     graceful: float = typer.Option(30.0, envvar="CTXRELAY_GRACEFUL_S", help="seconds in-flight requests get at exit"),
     threads: int = typer.Option(0, help="torch threads (0 = $CTXRELAY_THREADS or all cores)"),
     engine: str = typer.Option(
@@ -450,6 +451,7 @@ def serve(
         keys=digests, max_queue=max_queue, request_timeout_s=request_timeout, max_sessions=max_sessions,
         max_state_bytes=max_state_mb << 20, limits=limits, sessions=sessions, session_lock_ttl_s=session_lock_ttl,
         engine=engine, engine_config=config,
+        max_body_bytes=int(max_body_mb * (1 << 20)),
     )  # fmt: skip
     run_server(pool, settings, host, port, graceful)
 

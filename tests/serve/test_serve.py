@@ -122,11 +122,11 @@ def test_a_stream_that_cannot_get_compute_ends_with_an_error_event(pool):
     c = TestClient(app)
     chat = {"model": next(iter(pool.models)), "messages": [{"role": "user", "content": "hi"}], "stream": True}
     engine = app.state.engine
-    engine._compute.acquire()  # another turn holds the models
+    engine.compute.acquire()  # another turn holds the models
     try:
         r = c.post("/v1/chat/completions", json={**chat, "conversation": "new"})
     finally:
-        engine._compute.release()
+        engine.compute.release()
     events = [e for e in r.text.split("\n\n") if e]
     assert '"code": 503' in events[-2] and "waiting for compute" in events[-2] and events[-1] == "data: [DONE]"
     assert len(app.state.sessions) == 0  # the conversation whose first turn never ran is gone

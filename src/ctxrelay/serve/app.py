@@ -3,6 +3,10 @@
 Every endpoint but /healthz and /metrics needs an API key (auth.py); the tenant comes from the key,
 never from the request, so one tenant cannot name another's state or conversation. /prefill and
 /continue are the relay's own JSON API (prefill a text once, continue it on any model).
+
+The handlers that compute are async: admission (429), /healthz and /metrics answer on the event
+loop whatever the models are doing, and the compute runs in a thread per admitted request
+(turns.py). Bodies over `max_body_bytes` are refused (413) before they are parsed (bodies.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from ctxrelay.engines.vllm_server import EngineConfig
@@ -21,12 +26,15 @@ from ctxrelay.relay.gate import requestable
 from ctxrelay.relay.store import StateKey
 from ctxrelay.serve import errors
 from ctxrelay.serve.auth import Auth
+from ctxrelay.serve.bodies import BodyLimit, CountRequests
 from ctxrelay.serve.engine import Engine
 from ctxrelay.serve.errors import ApiError
+from ctxrelay.serve.health import Health, down
 from ctxrelay.serve.metrics import CountedStore, Metrics
 from ctxrelay.serve.openai_api import Limits, router
 from ctxrelay.serve.shared_sessions import open_sessions
 from ctxrelay.serve.tokenize_api import router as tokenize_router
+from ctxrelay.serve.turns import in_thread
 
 
 @dataclass
@@ -40,6 +48,7 @@ class Settings:
     # "memory" (this process), "redis://HOST:PORT/DB" (shared by every process using it; shared_sessions.py)
     sessions: str = "auto"
     session_lock_ttl_s: float = 30.0  # how long a killed process can keep a Redis conversation locked
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413 before they are read in full
     limits: Limits = field(default_factory=Limits)
     # who prefills and decodes: "native" (ctxrelay's runner, in this process) or "vllm" (one vLLM engine per
     # model, started by the server; vllm_engine.py); the vLLM engines' mode, dtype and KV space
@@ -81,23 +90,23 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
     app.include_router(router(engine, sessions, auth, settings.limits))
     app.include_router(tokenize_router(engine, auth))  # /tokenize, /detokenize (vLLM's)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        status = 500  # what the client gets when the handler crashed
-        try:
-            response = await call_next(request)
-            status = response.status_code
-            return response
-        finally:
-            route = request.scope.get("route")  # the path template: bounded label values
-            metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts the 413s too
+    health = Health(pool.store, sessions)
 
     @app.get("/healthz")
-    def healthz() -> dict:
-        return {"ok": True, "models": list(pool.models), "conversations": sessions.kind, "engine": engine.kind}
+    async def healthz() -> Response:
+        deps = await health.dependencies()
+        out = down(deps)
+        body = {
+            "ok": not out, "status": "degraded" if out else "ok", "down": out, "models": list(pool.models),
+            "conversations": sessions.kind, "dependencies": deps, "engine": engine.kind,
+            "queue": {"depth": engine.depth, "max": engine.max_queue, "computing": engine.compute.held},
+        }  # fmt: skip
+        return JSONResponse(body, status_code=503 if out else 200)
 
     @app.get("/metrics")
-    def prometheus() -> Response:
+    async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/models")
@@ -113,14 +122,14 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
         return {"edges": pool.graph.rows(tokens), "skipped": pool.graph.skipped}
 
     @app.post("/prefill")
-    def prefill(req: PrefillRequest, tenant: str = tenant_of) -> dict:
+    async def prefill(req: PrefillRequest, request: Request, tenant: str = tenant_of) -> dict:
         engine.model_or_404(req.sender)
-        release = engine.admit()
-        try:
-            with engine.computing():
-                state = pool.prefill(req.sender, req.text, tenant=tenant)
-        finally:
-            release()
+
+        def work(cancel) -> object:
+            with engine.computing(cancel):
+                return pool.prefill(req.sender, req.text, tenant=tenant)
+
+        state = await in_thread(work, engine.admit(), request.receive, metrics)
         key = StateKey.of(state)
         return {
             "tenant": key.tenant, "content_hash": key.content_hash, "model_hash": key.model_hash,
@@ -129,21 +138,21 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
         }  # fmt: skip
 
     @app.post("/continue")
-    def continue_(req: ContinueRequest, tenant: str = tenant_of) -> dict:
+    async def continue_(req: ContinueRequest, request: Request, tenant: str = tenant_of) -> dict:
         engine.model_or_404(req.sender)
         engine.model_or_404(req.receiver)
         if req.transport not in requestable():
             raise ApiError(400, f"transport must be one of {', '.join(requestable())}", param="transport")
-        release = engine.admit()
-        try:
-            with engine.computing():
-                res = pool.continue_from(
+
+        def work(cancel) -> object:
+            with engine.computing(cancel):
+                return pool.continue_from(
                     req.text, req.receiver, req.suffix, tenant=tenant, sender=req.sender,
                     transport=req.transport, max_new_tokens=req.max_new_tokens, temperature=req.temperature,
-                    quality_threshold=req.quality_threshold,
+                    quality_threshold=req.quality_threshold, on_token=lambda _: cancel.check(),
                 )  # fmt: skip
-        finally:
-            release()
+
+        res = await in_thread(work, engine.admit(), request.receive, metrics)
         return {
             "text": res.text, "tokens": res.tokens, "transport": res.transport, "reason": res.reason,
             "ttft_s": res.ttft_s, "total_s": res.total_s, "context_tokens": res.context_tokens,

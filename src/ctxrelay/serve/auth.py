@@ -75,7 +75,7 @@ class Auth:
     def __init__(self, keys: dict[str, str]):
         self.keys = keys
 
-    def __call__(self, request: Request) -> str:
+    async def __call__(self, request: Request) -> str:  # async: no worker thread for a dict lookup
         if not self.keys:
             return OPEN_TENANT
         scheme, _, key = request.headers.get("authorization", "").partition(" ")

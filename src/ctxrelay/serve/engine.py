@@ -5,6 +5,13 @@ interleaving two prefills only makes both slower. Requests past the queue bound 
 Retry-After from the recent service time; a request that waits longer than its timeout for the
 compute lock gets 503 (nothing ran). TTFT in a report is measured from the moment the turn got the
 compute lock; the wait before it is `queue_wait_s`.
+
+A turn is planned before it queues (`plan_chat`, `plan_completion`: the chat template rendered,
+the prompt tokenized and checked against the model's window, 400 otherwise), so a refused
+request never waits for compute and a stream is refused before its first event. A turn given a
+`Cancel` (compute.py) stops when it is set: while it waits for the lock, or at its next decoded
+token; the conversation is updated only after the decode returns, so a cancelled turn leaves it
+as it was.
 """
 
 from __future__ import annotations
@@ -18,14 +25,27 @@ from dataclasses import dataclass
 
 from ctxrelay.errors import UsageError
 from ctxrelay.models.sampling import Sampling
-from ctxrelay.models.tokens import suffix_ids
-from ctxrelay.relay.api import ModelPool, RelayResult
+from ctxrelay.models.tokens import context_ids, suffix_ids
+from ctxrelay.relay.api import ModelPool, RelayResult, check_window
 from ctxrelay.serve.chat import prompt_ids, render, transcript
+from ctxrelay.serve.compute import Cancel, ComputeLock
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import Metrics
 from ctxrelay.serve.sessions import Session
 
 OnToken = Callable[[int], None] | None
+
+
+@dataclass
+class Prompt:
+    """A turn rendered and tokenized before it queues for compute."""
+
+    model: str
+    history: list[dict[str, str]]  # the conversation so far: its state (or transcript) is the context
+    new: list[dict[str, str]]  # what this request adds
+    text: str  # the context: the history's transcript, or without history the whole rendered prompt
+    suffix: str  # the new turn in the model's template, read after the history ("" without history)
+    suffix_tokens: int
 
 
 @dataclass
@@ -50,10 +70,15 @@ class Engine:
     def __init__(self, pool: ModelPool, metrics: Metrics, *, max_queue: int = 32, request_timeout_s: float = 300.0):
         self.pool, self.metrics = pool, metrics
         self.max_queue, self.request_timeout_s = max_queue, request_timeout_s
-        self._compute = threading.Lock()
+        self.compute = ComputeLock()
         self._admit = threading.Lock()
         self._depth = 0
         self._service_s = 1.0  # running mean of a turn's compute time, for Retry-After
+
+    @property
+    def depth(self) -> int:
+        """Requests admitted and not finished."""
+        return self._depth
 
     def close(self) -> None:
         """Stop what the engine started (nothing here: the runner lives in this process)."""
@@ -90,50 +115,75 @@ class Engine:
         return release
 
     @contextmanager
-    def computing(self):
+    def computing(self, cancel: Cancel | None = None):
+        """Hold the compute lock (503 after request_timeout_s; compute.Cancelled when `cancel` is set)."""
         t0 = time.perf_counter()
-        if not self._compute.acquire(timeout=self.request_timeout_s):
+        if not self.compute.acquire(timeout=self.request_timeout_s, cancel=cancel):
             raise ApiError(503, f"timed out after {self.request_timeout_s:.0f} s waiting for compute; retry later")
         t1 = time.perf_counter()
         try:
             yield t1 - t0
         finally:
             self._service_s = 0.8 * self._service_s + 0.2 * (time.perf_counter() - t1)
-            self._compute.release()
+            self.compute.release()
 
-    # ---- turns --------------------------------------------------------------------------------
+    # ---- plans: before the queue ----------------------------------------------------------------
 
-    def chat(
-        self, tenant: str, model: str, messages: list[dict[str, str]], session: Session | None, *,
-        max_tokens: int, temperature: float, transport: str = "auto", on_token: OnToken = None,
-        sampling: Sampling | None = None,
-    ) -> Served:  # fmt: skip
-        """One chat turn. With a session, the conversation so far is relayed from the state the
-        previous turn's model left and only the new turn (in `model`'s template) is prefilled."""
+    def plan_chat(self, model: str, messages: list[dict[str, str]], session: Session | None, max_tokens: int) -> Prompt:
+        """The turn's prompt in `model`'s template and its token count, checked against the window (400).
+        With a session, the history is what the session holds (read after its turn lock was taken)."""
         history = session.messages if session else []
         new = session.new_messages(messages) if session else messages
         if not new:
             raise ApiError(400, "no new message: the request only repeats the conversation so far", param="messages")
         m = self.pool.models[model]
-        suffix = render(m, new, after_context=bool(history))
-        gen = dict(max_new_tokens=max_tokens, temperature=temperature, on_token=on_token, sampling=sampling)
+        rendered = render(m, new, after_context=bool(history))
+        if history:  # the history is relayed or prefilled as context, the new turn read after it
+            p = Prompt(model, history, new, transcript(history), rendered, len(suffix_ids(m, rendered)))
+        else:
+            p = Prompt(model, history, new, rendered, "", 0)
+        self._check_window(model, p, max_tokens, "messages")
+        return p
+
+    def plan_completion(self, model: str, prompt: str, max_tokens: int) -> Prompt:
+        p = Prompt(model, [], [], prompt, "", 0)
+        self._check_window(model, p, max_tokens, "prompt")
+        return p
+
+    def _check_window(self, model: str, p: Prompt, max_tokens: int, param: str) -> None:
+        m = self.pool.models[model]
+        try:
+            check_window(m, len(context_ids(m, p.text)) + p.suffix_tokens, max_tokens)
+        except UsageError as e:
+            raise ApiError(400, str(e), param=param) from None
+
+    # ---- turns --------------------------------------------------------------------------------
+
+    def chat(
+        self, tenant: str, p: Prompt, session: Session | None, *, max_tokens: int, temperature: float,
+        transport: str = "auto", on_token: OnToken = None, cancel: Cancel | None = None,
+        sampling: Sampling | None = None,
+    ) -> Served:  # fmt: skip
+        """One chat turn, planned by plan_chat. With a session, the conversation so far is relayed from
+        the state the previous turn's model left and only the new turn (in `model`'s template) is prefilled."""
+        model, history = p.model, p.history
+        gen = dict(max_new_tokens=max_tokens, temperature=temperature, on_token=cancellable(on_token, cancel),
+                   sampling=sampling)  # fmt: skip
         relay = session is not None and session.state is not None
         relayed_from = session.model if session else None
-        # usage counts the receiver's own rendering of the whole conversation, whatever this turn reads
-        prompt_tokens = len(prompt_ids(m, [*history, *new]))
-        with self.computing() as waited:
+        with self.computing(cancel) as waited:
             if relay:
-                res = self.pool.continue_from(session.state, model, suffix, tenant=tenant, transport=transport, **gen)
+                res = self.pool.continue_from(session.state, model, p.suffix, tenant=tenant, transport=transport, **gen)
             elif history:  # a conversation whose state was dropped (memory budget) or cannot be read
-                res = self.pool.native(model, transcript(history), suffix, **gen)
+                res = self.pool.native(model, p.text, p.suffix, **gen)
                 res.reason = res.decision["reason"] = f"{session.no_state}: native prefill of the transcript"
             else:
-                res = self.pool.native(model, suffix, "", **gen)
+                res = self.pool.native(model, p.text, "", **gen)
                 res.reason = res.decision["reason"] = (
                     "first turn of the conversation: nothing to relay" if session else "no conversation: stateless"
                 )
-            capture_s = self._leave_state(session, model, tenant, [*history, *new], res.text) if session else 0.0
-        n_suffix = len(suffix_ids(m, suffix)) if history else 0  # a separate suffix only after a context
+            capture_s = self._leave_state(session, model, tenant, [*history, *p.new], res.text) if session else 0.0
+        n_suffix = p.suffix_tokens  # a separate suffix only after a context
         report = self._report(res, model, waited, capture_s)
         # what this turn prefilled natively: only the new turn when the history was relayed
         report["prefilled_tokens"] = n_suffix if res.transport != "native" else res.context_tokens + n_suffix
@@ -141,7 +191,13 @@ class Engine:
             report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
             # None: a full prefill (or no state: the conversation outgrew the window)
             report["capture_extended_from"] = session.state.meta.get("extended_from") if session.state else None
-        return Served(res, report, prompt_tokens)
+        return Served(res, report, self.prompt_tokens(p))
+
+    def prompt_tokens(self, p: Prompt) -> int:
+        """`usage.prompt_tokens`: the receiver's own chat template over the whole conversation, whatever this
+        turn read (a relayed turn reads the history in transcript form)."""
+        m = self.pool.models[p.model]
+        return len(prompt_ids(m, [*p.history, *p.new])) if p.new else len(context_ids(m, p.text))
 
     def _leave_state(self, session: Session, model: str, tenant: str, messages: list[dict], reply: str) -> float:
         """After the reply: the serving model's state of the whole transcript, reply included, which the
@@ -160,13 +216,15 @@ class Engine:
         return time.perf_counter() - t
 
     def complete(
-        self, model: str, prompt: str, *, max_tokens: int, temperature: float, on_token: OnToken = None,
+        self, p: Prompt, *, max_tokens: int, temperature: float, on_token: OnToken = None, cancel: Cancel | None = None,
         sampling: Sampling | None = None,
     ) -> Served:  # fmt: skip
-        """A plain completion: the prompt is prefilled natively (completions keep no conversation)."""
-        with self.computing() as waited:
-            res = self.pool.native(model, prompt, "", max_new_tokens=max_tokens, temperature=temperature,
-                                   on_token=on_token, sampling=sampling)  # fmt: skip
+        """A plain completion, planned by plan_completion: the prompt is prefilled natively (completions
+        keep no conversation)."""
+        model = p.model
+        with self.computing(cancel) as waited:
+            res = self.pool.native(model, p.text, "", max_new_tokens=max_tokens, temperature=temperature,
+                                   on_token=cancellable(on_token, cancel), sampling=sampling)  # fmt: skip
         res.reason = res.decision["reason"] = "completion: stateless prompt"
         return Served(res, self._report(res, model, waited, 0.0), res.context_tokens)
 
@@ -177,3 +235,17 @@ class Engine:
             "total_s": res.total_s, "timings": res.timings, "context_tokens": res.context_tokens,
             "queue_wait_s": waited, "capture_s": capture_s, "decision": res.decision,
         }  # fmt: skip
+
+
+def cancellable(on_token: OnToken, cancel: Cancel | None) -> OnToken:
+    """The decode loop's per-token callback, raising compute.Cancelled once `cancel` is set: the
+    decode (runner.decode calls it per token) stops at its next token and the turn unwinds."""
+    if cancel is None:
+        return on_token
+
+    def each(token: int) -> None:
+        cancel.check()
+        if on_token is not None:
+            on_token(token)
+
+    return each

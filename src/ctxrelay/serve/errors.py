@@ -10,10 +10,11 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from ctxrelay.errors import BindingError, CtxrelayError
+from ctxrelay.serve.compute import Cancelled
 
 log = logging.getLogger("ctxrelay.serve")
 
@@ -29,6 +30,9 @@ _TYPES = {
 }
 
 
+CLIENT_CLOSED = 499  # the status of a request whose client went away before its answer (nginx's code)
+
+
 class ApiError(HTTPException):
     def __init__(self, status: int, message: str, *, param: str | None = None, headers: dict | None = None):
         super().__init__(status, message, headers=headers)
@@ -38,6 +42,14 @@ class ApiError(HTTPException):
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def json_error(msg: str, doc: str | bytes, pos: int) -> ApiError:
+    """A malformed body's error: what is wrong and where (line, column, character), in the message."""
+    text = doc.decode("utf-8", "replace") if isinstance(doc, bytes) else str(doc)
+    line = text.count("\n", 0, pos) + 1
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    return ApiError(400, f"the body is not valid JSON: {msg} at line {line}, column {column} (character {pos})")
 
 
 def install(app: FastAPI) -> None:
@@ -51,9 +63,17 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # FastAPI's own parse: loc is ("body", character)
+            pos = first["loc"][-1] if isinstance(first["loc"][-1], int) else 0
+            bad = json_error(first.get("ctx", {}).get("error", "malformed"), e.body or "", pos)
+            return JSONResponse(error_body(400, str(bad.detail)), status_code=400)
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         msg = f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'malformed body')}"
         return JSONResponse(error_body(400, msg, where or None), status_code=400)
+
+    @app.exception_handler(Cancelled)
+    async def gone(request: Request, e: Cancelled) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it; /metrics counts it
 
     @app.exception_handler(BindingError)
     async def refused(request: Request, e: BindingError) -> JSONResponse:

@@ -51,6 +51,7 @@ class Metrics:
         self.requests = Counter("ctxrelay_requests_total", "HTTP requests", ["path", "status"], registry=r)
         self.queue_depth = Gauge("ctxrelay_queue_depth", "Requests admitted and not finished", registry=r)
         self.rejected = Counter("ctxrelay_queue_rejected_total", "Requests refused with 429 (queue full)", registry=r)
+        self.cancelled = Counter("ctxrelay_cancelled_total", "Turns stopped because their client went away", registry=r)
         self.sessions = Gauge("ctxrelay_conversations", "Conversations held", registry=r)
         self.store_reads = Counter("ctxrelay_store_reads_total", "State store reads", ["result"], registry=r)
         self.store_bytes = Counter("ctxrelay_store_written_bytes_total", "Bytes of states stored", registry=r)

@@ -7,13 +7,18 @@ What ctxrelay adds rides in fields the openai client passes through (`extra_body
 X-Ctxrelay-* headers; a stream sends the `ctxrelay` field in its last chunk, since its headers
 leave before the turn runs. Temperature defaults to 0 (greedy). The sampling fields, logprobs and
 the fields refused are fields.py's.
+
+The handlers are async: the body is parsed and the queue slot taken (429) on the event loop; the
+turn runs in a thread of its own (turns.py), which first opens the conversation, renders and
+tokenizes the prompt and checks it against the window. The handler answers only after that, so a
+refused stream is a plain 4xx; a client that disconnects cancels its turn.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -23,12 +28,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from ctxrelay.models.sampling import MAX_LOGPROBS, Sampling, StopText
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.relay.gate import requestable
+from ctxrelay.serve.bodies import parsed
 from ctxrelay.serve.chat import normalise
-from ctxrelay.serve.engine import Engine, Served
+from ctxrelay.serve.engine import Engine, Prompt, Served
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.fields import chat_logprobs, completion_logprobs, refuse_unsupported, sampling_of
 from ctxrelay.serve.sessions import Conversations, Session
 from ctxrelay.serve.streaming import TextDeltas, sse, stream
+from ctxrelay.serve.turns import Turn
 
 
 @dataclass
@@ -109,33 +116,40 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
         return n, sampling_of(req, logprobs, engine.pool.models[req.model].spec.vocab_size)
 
     @api.get("/models")
-    def models(tenant: str = Tenant) -> dict:
+    async def models(tenant: str = Tenant) -> dict:
         return {"object": "list", "data": [_model(m) for m in engine.pool.models.values()]}
 
     @api.get("/models/{name:path}")
-    def model(name: str, tenant: str = Tenant) -> dict:
+    async def model(name: str, tenant: str = Tenant) -> dict:
         return _model(engine.pool.models[engine.model_or_404(name)])
 
-    @api.post("/chat/completions")
-    def chat(req: ChatRequest, request: Request, tenant: str = Tenant):
+    @api.post("/chat/completions", openapi_extra=_body(ChatRequest))
+    async def chat(request: Request, tenant: str = Tenant) -> Response:
+        req = await parsed(request, ChatRequest)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens, sampling = checked(req, req.max_completion_tokens or req.max_tokens,
                                        (req.top_logprobs or 0) if req.logprobs else None)  # fmt: skip
         tok = engine.pool.models[req.model].tokenizer
-        messages = normalise(req.messages)
-        session = _session(sessions, req.conversation, request.headers.get("x-conversation-id"), tenant)
-        release = _hold(engine, session, sessions)
+        conv = _conversation(req.conversation, request.headers.get("x-conversation-id"))
+        held = _Held(engine, sessions, engine.admit())  # 429 here, on the event loop
         base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": req.model}
 
-        def work(on_token=None) -> Served:
+        def prepare() -> Prompt:  # in the turn's thread: the conversation store, the template, the tokenizer
+            messages = normalise(req.messages)
+            if conv:
+                held.hold(sessions.open(conv, tenant))
+            return engine.plan_chat(req.model, messages, held.session, max_tokens)
+
+        def work(prompt: Prompt, on_token, cancel) -> Served:
             opts = dict(max_tokens=max_tokens, temperature=sampling.temperature, transport=req.transport,
                         sampling=sampling)  # fmt: skip
-            served = engine.chat(tenant, req.model, messages, session, on_token=on_token, **opts)
-            if session is not None:
-                sessions.save(session)  # before the reply leaves: the next turn may go to another process
+            served = engine.chat(tenant, prompt, held.session, on_token=on_token, cancel=cancel, **opts)
+            if held.session is not None:
+                sessions.save(held.session)  # before the reply leaves: the next turn may go to another process
             return served
 
+        turn = Turn(prepare, work, held.release, engine.metrics)
         if req.stream:
             obj = {**base, "object": "chat.completion.chunk"}
             chunk = lambda d: {**obj, "choices": [{"index": 0, "delta": {"content": d}, "finish_reason": None}]}
@@ -147,19 +161,17 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
                 return _closing(obj, end, s, req.stream_options)
 
             first = {**obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-            return _streamed(work, engine, req.model, chunk, closing, release, first, session, sampling)
-        try:
-            s = work()
-        finally:
-            release()
+            return await _streamed(turn, engine, req.model, chunk, closing, first, held, sampling)
+        s = await _finished(turn, request)
         msg = {"role": "assistant", "content": s.text}
         lp = chat_logprobs(tok, s.result.logprobs)
         choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": s.finish_reason(max_tokens)}
         body = {**base, "object": "chat.completion", "choices": [choice], "usage": usage(s), "ctxrelay": s.report}
         return _json(body, s.report)
 
-    @api.post("/completions")
-    def completions(req: CompletionRequest, request: Request, tenant: str = Tenant):
+    @api.post("/completions", openapi_extra=_body(CompletionRequest))
+    async def completions(request: Request, tenant: str = Tenant) -> Response:
+        req = await parsed(request, CompletionRequest)
         max_tokens, sampling = checked(req, req.max_tokens, req.logprobs)
         tok = engine.pool.models[req.model].tokenizer
         if req.conversation or request.headers.get("x-conversation-id"):
@@ -167,25 +179,24 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1 or not prompts[0]:
             raise ApiError(400, "prompt must be one non-empty string", param="prompt")
-        release = engine.admit()
+        held = _Held(engine, sessions, engine.admit())
         base = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
                 "model": req.model}  # fmt: skip
 
-        def work(on_token=None) -> Served:
-            return engine.complete(req.model, prompts[0], max_tokens=max_tokens, temperature=sampling.temperature,
-                                   on_token=on_token, sampling=sampling)  # fmt: skip
+        def work(prompt: Prompt, on_token, cancel) -> Served:
+            return engine.complete(prompt, max_tokens=max_tokens, temperature=sampling.temperature,
+                                   on_token=on_token, cancel=cancel, sampling=sampling)  # fmt: skip
 
+        prepare = lambda: engine.plan_completion(req.model, prompts[0], max_tokens)
+        turn = Turn(prepare, work, held.release, engine.metrics)
         choice = lambda text, lp, fin: {"index": 0, "text": text, "logprobs": lp, "finish_reason": fin}
         logprobs = lambda s: completion_logprobs(tok, s.result.logprobs)
         if req.stream:
             chunk = lambda d: {**base, "choices": [choice(d, None, None)]}
             end = lambda s: choice("", logprobs(s), s.finish_reason(max_tokens))  # logprobs whole, at the end
             closing = lambda s: _closing(base, end(s), s, req.stream_options)
-            return _streamed(work, engine, req.model, chunk, closing, release, None, None, sampling)
-        try:
-            s = work()
-        finally:
-            release()
+            return await _streamed(turn, engine, req.model, chunk, closing, None, held, sampling)
+        s = await _finished(turn, request)
         one = choice(s.text, logprobs(s), s.finish_reason(max_tokens))
         return _json({**base, "choices": [one], "usage": usage(s), "ctxrelay": s.report}, s.report)
 
@@ -199,32 +210,41 @@ def _model(m: LoadedModel) -> dict:
             "max_model_len": m.spec.context_window}  # fmt: skip
 
 
-def _session(sessions: Conversations, field: str | None, header: str | None, tenant: str) -> Session | None:
+def _body(model: type[BaseModel]) -> dict:
+    """The request body's schema for the OpenAPI page (the handlers parse the body themselves)."""
+    schema = {"content": {"application/json": {"schema": model.model_json_schema()}}, "required": True}
+    return {"requestBody": schema}
+
+
+def _conversation(field: str | None, header: str | None) -> str | None:
     if field and header and field != header:
         raise ApiError(400, "the conversation field and the X-Conversation-Id header name different conversations")
-    conv = field or header
-    return sessions.open(conv, tenant) if conv else None
+    return field or header
 
 
-def _hold(engine: Engine, session: Session | None, sessions: Conversations) -> Callable[[], None]:
-    """Take the conversation (one turn at a time) and the queue slot; returns the release of both."""
-    if session is not None:
-        sessions.hold(session)
-    try:
-        release_slot = engine.admit()
-    except ApiError:
-        if session is not None:
-            sessions.release(session)
-        raise
+class _Held:
+    """What a request holds: its queue slot, and its conversation once taken (one turn at a time)."""
 
-    def release() -> None:
-        release_slot()
-        if session is not None:
-            sessions.release(session)
-        engine.metrics.sessions.set(len(sessions))
-        engine.metrics.state_bytes.set(sessions.trim())
+    def __init__(self, engine: Engine, sessions: Conversations, release_slot: Callable[[], None]):
+        self.engine, self.sessions, self.release_slot = engine, sessions, release_slot
+        self.session: Session | None = None
 
-    return release
+    def hold(self, session: Session) -> None:
+        self.sessions.hold(session)  # 409 while another turn of it runs
+        self.session = session
+
+    def release(self) -> None:
+        self.release_slot()
+        if self.session is not None:
+            self.sessions.release(self.session)
+            self.engine.metrics.sessions.set(len(self.sessions))
+            self.engine.metrics.state_bytes.set(self.sessions.trim())
+
+
+async def _finished(turn: Turn, request: Request) -> Served:
+    """A non-streamed turn's result (compute.Cancelled when its client went away: errors.py answers 499)."""
+    await turn.ready()
+    return await turn.result(request.receive)
 
 
 def _closing(obj: dict, end_choice: dict, s: Served, stream_options: dict | None) -> list[dict]:
@@ -234,23 +254,26 @@ def _closing(obj: dict, end_choice: dict, s: Served, stream_options: dict | None
     return out
 
 
-def _streamed(
-    work, engine: Engine, model: str, chunk, closing, release, first: dict | None, session, sampling: Sampling
-) -> Response:
+async def _streamed(
+    turn: Turn, engine: Engine, model: str, chunk, closing, first: dict | None, held: _Held, sampling: Sampling
+):
+    """The stream, once the turn was checked: a refusal is raised here, as a plain 4xx."""
+    await turn.ready()
     # the stream cuts at stop strings by decode's own rule, so it never shows text the whole answer cuts
     deltas = TextDeltas(engine.pool.models[model].tokenizer, StopText(sampling.stop, sampling.min_tokens))
-    body = stream(work, deltas, chunk, closing, release)
+    body = stream(turn, deltas, chunk, closing)
     if first is not None:
         body = _prepend(sse(first), body)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    if session is not None:
-        headers["X-Conversation-Id"] = session.id
+    if held.session is not None:
+        headers["X-Conversation-Id"] = held.session.id
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
-def _prepend(head: str, rest):
+async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
     yield head
-    yield from rest
+    async for line in rest:
+        yield line
 
 
 def _json(body: dict, report: dict) -> Response:

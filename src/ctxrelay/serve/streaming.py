@@ -1,17 +1,16 @@
 """Server-sent events for streamed completions: `data: {json}\\n\\n` chunks, then `data: [DONE]`.
 
-The turn runs in a worker thread and hands each token over as soon as decode picks it; the text
-a token adds is sent once it decodes cleanly (a multi-byte character split across tokens waits for
-its last byte). The last text chunk makes the streamed text equal the non-streamed one.
+The turn runs in its own thread (turns.py) and hands each token to the event loop as soon as decode
+picks it; the text a token adds is sent once it decodes cleanly (a multi-byte character split
+across tokens waits for its last byte). The last text chunk makes the streamed text equal the
+non-streamed one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import queue
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -20,6 +19,7 @@ from ctxrelay.errors import CtxrelayError
 from ctxrelay.models.sampling import StopText
 from ctxrelay.serve.engine import Served
 from ctxrelay.serve.errors import error_body
+from ctxrelay.serve.turns import Turn
 
 log = logging.getLogger("ctxrelay.serve")
 
@@ -51,50 +51,41 @@ class TextDeltas:
         return final[len(self.sent) :] if final.startswith(self.sent) else ""
 
 
-def stream(
-    work: Callable[[Callable[[int], None]], Served],
-    deltas: TextDeltas,
-    chunk: Callable[[str], dict],
-    closing: Callable[[Served], list[dict]],
-    release: Callable[[], None],
-) -> Iterator[str]:
-    """SSE lines of one streamed turn: a chunk per text delta, the closing chunks, [DONE].
+async def stream(turn: Turn, deltas: TextDeltas, chunk: Callable[[str], dict],
+                 closing: Callable[[Served], list[dict]]) -> AsyncIterator[str]:  # fmt: skip
+    """SSE lines of one streamed turn, after its `ready` event: a chunk per text delta, the closing
+    chunks, [DONE]. An error after the 200 (the wait for compute timed out, the turn failed) is an
+    error event. Stopping early (starlette cancels the stream when the client disconnects, or the
+    send fails) cancels the turn: its decode stops and its place is freed."""
+    finished = False
+    try:
+        while True:
+            kind, x = await turn.next()
+            if kind == "token":
+                if d := deltas.push(x):
+                    yield sse(chunk(d))
+            elif kind == "done":
+                if d := deltas.rest(x.text):
+                    yield sse(chunk(d))
+                for c in closing(x):
+                    yield sse(c)
+                break
+            elif kind == "error":
+                yield sse(_error_event(x))
+                break
+            else:  # cancelled: nobody reads this stream any more
+                return
+        finished = True
+        yield sse("[DONE]")
+    finally:
+        if not finished:
+            turn.cancel.set()
 
-    `release` (the queue slot) runs when the worker ends, also when the client went away mid-stream."""
-    events: queue.Queue = queue.Queue()
 
-    def target() -> None:
-        try:
-            last = ("done", work(lambda t: events.put(("token", t))))
-        except HTTPException as e:
-            last = ("error", error_body(e.status_code, str(e.detail)))
-        except CtxrelayError as e:
-            last = ("error", error_body(400, str(e)))
-        except Exception:  # never a traceback to the client; the log has it
-            log.exception("streamed turn failed")
-            last = ("error", error_body(500, "internal error while generating (see the server log)"))
-        finally:
-            release()  # before the last event: a client that read it may send its next turn at once
-        events.put(last)
-
-    # started now, not on the first read: the slot is released even if the client never reads
-    threading.Thread(target=target, name="ctxrelay-turn", daemon=True).start()
-    return _lines(events, deltas, chunk, closing)
-
-
-def _lines(events: queue.Queue, deltas: TextDeltas, chunk, closing) -> Iterator[str]:
-    while True:
-        kind, x = events.get()
-        if kind == "token":
-            if d := deltas.push(x):
-                yield sse(chunk(d))
-        elif kind == "done":
-            if d := deltas.rest(x.text):
-                yield sse(chunk(d))
-            for c in closing(x):
-                yield sse(c)
-            break
-        else:
-            yield sse(x)
-            break
-    yield sse("[DONE]")
+def _error_event(e: BaseException) -> dict:
+    if isinstance(e, HTTPException):
+        return error_body(e.status_code, str(e.detail), getattr(e, "param", None))
+    if isinstance(e, CtxrelayError):
+        return error_body(400, str(e))
+    log.error("streamed turn failed", exc_info=e)  # never a traceback to the client; the log has it
+    return error_body(500, "internal error while generating (see the server log)")

@@ -29,9 +29,9 @@ from ctxrelay.engines.vllm_server import DTYPES, EngineConfig, VllmServer
 from ctxrelay.models import runner
 from ctxrelay.models.sampling import Sampling, TokenLogprob
 from ctxrelay.models.tokens import context_ids, suffix_ids
-from ctxrelay.relay.api import ModelPool, Prepared, RelayResult, check_window
-from ctxrelay.serve.chat import prompt_ids, render, transcript
-from ctxrelay.serve.engine import Engine, OnToken, Served
+from ctxrelay.relay.api import ModelPool, Prepared, RelayResult
+from ctxrelay.serve.compute import Cancel
+from ctxrelay.serve.engine import Engine, OnToken, Prompt, Served, cancellable
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import Metrics
 from ctxrelay.serve.sessions import Session
@@ -93,67 +93,56 @@ class VllmEngine(Engine):
     # ---- turns --------------------------------------------------------------------------------
 
     def chat(
-        self, tenant: str, model: str, messages: list[dict[str, str]], session: Session | None, *,
-        max_tokens: int, temperature: float, transport: str = "auto", on_token: OnToken = None,
+        self, tenant: str, p: Prompt, session: Session | None, *, max_tokens: int, temperature: float,
+        transport: str = "auto", on_token: OnToken = None, cancel: Cancel | None = None,
         sampling: Sampling | None = None,
     ) -> Served:  # fmt: skip
-        history = session.messages if session else []
-        new = session.new_messages(messages) if session else messages
-        if not new:
-            raise ApiError(400, "no new message: the request only repeats the conversation so far", param="messages")
-        m = self.pool.models[model]
-        suffix = render(m, new, after_context=bool(history))
+        """One chat turn, planned by plan_chat (the window checked there): relayed through the connector
+        where the gate says so, the engine prefilling the rest and decoding."""
+        model, m = p.model, self.pool.models[p.model]
         t0 = time.perf_counter()
         relayed_from = session.model if session else None
         waited, kv, prep = 0.0, None, None
         if session is not None and session.state is not None:
-            with self.computing() as waited:
+            with self.computing(cancel) as waited:
                 prep = self.pool.prepare(
-                    session.state, model, suffix, tenant=tenant, transport=transport, max_new_tokens=max_tokens,
+                    session.state, model, p.suffix, tenant=tenant, transport=transport, max_new_tokens=max_tokens,
                     temperature=temperature,
                 )  # fmt: skip
                 if prep.relayed:
                     kv = self.payload(prep, tenant)
-            ctx = context_ids(m, prep.text)
-            ids = [*ctx.tolist(), *prep.suffix.tolist()]
             reason = prep.reason
-        elif history:  # a conversation whose state was dropped or cannot be read
-            ids = [*context_ids(m, transcript(history)).tolist(), *suffix_ids(m, suffix).tolist()]
+        elif p.history:  # a conversation whose state was dropped or cannot be read
             reason = f"{session.no_state}: native prefill of the transcript"
         else:
-            ids = context_ids(m, suffix).tolist()
             reason = "first turn of the conversation: nothing to relay" if session else "no conversation: stateless"
-        check_window(m, len(ids), max_tokens)
-        # a stateless turn is all context (as engine.py counts it); otherwise the new turn is the suffix
-        n_suffix = len(prep.suffix) if prep is not None else len(suffix_ids(m, suffix)) if history else 0
+        ctx = context_ids(m, p.text).tolist()
+        ids = [*ctx, *suffix_ids(m, p.suffix).tolist()] if p.suffix else ctx
         res = self.generate(
-            model, ids, tenant, t0, max_tokens, temperature, on_token, kv, prep, reason, len(ids) - n_suffix,
-            sampling=sampling,
-        )
-        capture_s = self._leave_state(session, model, tenant, [*history, *new], res.text) if session else 0.0
+            model, ids, tenant, t0, max_tokens, temperature, cancellable(on_token, cancel), kv, prep, reason,
+            len(ctx), sampling=sampling,
+        )  # fmt: skip
+        capture_s = self._leave_state(session, model, tenant, [*p.history, *p.new], res.text) if session else 0.0
         report = self._report(res, model, waited, capture_s)
-        report["prefilled_tokens"] = len(ids) - res.context_tokens if kv is not None else len(ids)
+        report["prefilled_tokens"] = len(ids) - (kv[1] if kv is not None else 0)  # the engine's own prefill
         report["engine"] = self.engine_facts(model)
         report["engine_cached_tokens"] = res.info["engine_cached_tokens"]  # served by its prefix cache
         if session is not None:
             report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
             report["capture_extended_from"] = session.state.meta.get("extended_from") if session.state else None
-        # usage counts the receiver's own chat template over the whole conversation, whatever was prefilled
-        return Served(res, report, len(prompt_ids(m, [*history, *new])))
+        return Served(res, report, self.prompt_tokens(p))
 
     def complete(
-        self, model: str, prompt: str, *, max_tokens: int, temperature: float, on_token: OnToken = None,
+        self, p: Prompt, *, max_tokens: int, temperature: float, on_token: OnToken = None, cancel: Cancel | None = None,
         sampling: Sampling | None = None,
-    ) -> Served:
-        m = self.pool.models[model]
-        ids = context_ids(m, prompt).tolist()
-        check_window(m, len(ids), max_tokens)
+    ) -> Served:  # fmt: skip
+        ids = context_ids(self.pool.models[p.model], p.text).tolist()
         res = self.generate(
-            model, ids, "", time.perf_counter(), max_tokens, temperature, on_token, None, None,
-            "completion: stateless prompt", len(ids), sampling=sampling,
+            p.model, ids, "", time.perf_counter(), max_tokens, temperature, cancellable(on_token, cancel), None,
+            None, "completion: stateless prompt", len(ids), sampling=sampling,
         )  # fmt: skip
-        report = self._report(res, model, 0.0, 0.0)
-        report["engine"] = self.engine_facts(model)
+        report = self._report(res, p.model, 0.0, 0.0)
+        report["engine"] = self.engine_facts(p.model)
         report["engine_cached_tokens"] = res.info["engine_cached_tokens"]
         return Served(res, report, len(ids))
 
