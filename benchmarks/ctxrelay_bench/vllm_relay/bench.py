@@ -40,13 +40,14 @@ from ctxrelay.models.tokens import suffix_ids
 from ctxrelay.relay.api import ModelPool
 from ctxrelay.relay.gate import DEFAULT_QUALITY
 from ctxrelay.relay.store import DiskStore
-from ctxrelay.results import machine_facts, write_results
+from ctxrelay.results import machine_facts, read_results, results_file, write_results
 from ctxrelay.serve.metrics import Metrics
 from ctxrelay.serve.vllm_engine import VllmEngine
 from ctxrelay.state import ContextState
 from ctxrelay.transports.base import TuningKey
 from ctxrelay_bench.heterofold_frontier.bench import build_cases, native_ref, relay_point
-from ctxrelay_bench.runs import bench_options
+from ctxrelay_bench.plots import plot_path, save_figure
+from ctxrelay_bench.runs import bench_options, markdown_table
 from ctxrelay_bench.sender_states import cached_sender_states
 
 TUNING_KEYS = [
@@ -105,7 +106,45 @@ def bench(
             engine.close()
     if path is None:
         raise UsageError("no direction was measured")
+    plot(read_results(path)["rows"], path)
     return path
+
+
+def report(out: str = "vllm-relay") -> Path:
+    """Print the table of a results file and draw its plot again (no model runs)."""
+    rows = read_results(out)["rows"]
+    head = ["direction", "tokens", "point", "relayed", "vLLM native s", "relay s", "x vLLM", "needles (native)",
+            "essays top-1", "ShareGPT top-1"]  # fmt: skip
+    cells = [[f"{r['sender']} -> {r['receiver']}", str(r["context_tokens"]), r["point"],
+              f"{r['relayed_requests']}/{r['requests']}", _f(r["engine_native_ttft_s"]), _f(r["relay_ttft_s"]),
+              _f(r["speedup_vs_engine"], "{:.2f}x"), f"{_f(r['needle_acc'])} ({_f(r['native_needle_acc'])})",
+              _f(r["essays_top1"]), _f(r["sharegpt_top1"])] for r in rows]  # fmt: skip
+    print("\n".join(markdown_table(head, cells)))
+    return plot(rows, results_file(out))
+
+
+def _f(x, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """Speedup against vLLM's native prefill per direction and length, one bar per point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["sender"], r["receiver"], r["context_tokens"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(keys)), 4))
+    for j, point in enumerate(("default", "plain")):
+        ys = [next((r["speedup_vs_engine"] or 0 for r in rows if (r["sender"], r["receiver"], r["context_tokens"])
+                    == k and r["point"] == point), 0) for k in keys]  # fmt: skip
+        ax.bar([i + 0.4 * j for i in range(len(keys))], ys, width=0.4, label=f"{point} point")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([i + 0.2 for i in range(len(keys))], [f"{s} ->\n{r}\n{n}" for s, r, n in keys], fontsize=7)
+    ax.set(ylabel="vLLM native TTFT / relay TTFT", title="relay inside vLLM vs vLLM's own prefill")
+    ax.legend()
+    return save_figure(fig, plot_path(path))
 
 
 def direction_rows(engine: VllmEngine, sender: str, recv: str, cases: list, opts: dict) -> list[dict]:
