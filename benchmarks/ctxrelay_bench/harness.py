@@ -68,6 +68,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_process(args: list[str], port: int, keys: str, wait_s: float) -> subprocess.Popen:
+    """`ctxrelay serve ARGS --port PORT` as a process of its own with API keys `keys` (key:tenant,...), once it
+    answers /healthz; a server that exits or stays silent for `wait_s` is a UsageError with its stderr tail."""
+    import os
+    import sys
+    import urllib.request
+
+    from ctxrelay.errors import UsageError
+
+    env = {**os.environ, "CTXRELAY_API_KEYS": keys}
+    cmd = [sys.executable, "-m", "ctxrelay.cli", "serve", *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise UsageError(f"the server exited while starting: {proc.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise UsageError(f"the server did not answer /healthz within {wait_s:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after `grace_s` (a server lets in-flight requests finish, its engines stop)."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def start_redis(work_dir: Path) -> tuple[subprocess.Popen, str] | None:
     """redis-server on a free loopback port, no persistence (None where it is not installed); returns the
     process and its URL. The caller kills it."""

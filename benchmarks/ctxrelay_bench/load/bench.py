@@ -18,10 +18,8 @@ prompt as soon as their last one returns, for that long (the issue's >= 60 s at 
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -33,6 +31,7 @@ from tqdm import tqdm
 from ctxrelay.errors import UsageError
 from ctxrelay.results import write_results
 from ctxrelay.transports.base import keys_from
+from ctxrelay_bench.harness import serve_process, stop_process
 from ctxrelay_bench.plots import cdf_step, save_figure
 from ctxrelay_bench.runs import bench_options
 
@@ -77,22 +76,8 @@ def prompts(model: str, n: int, tokens: int) -> list[str]:
 def start_server(
     models: str, port: int, threads: int, wait_s: float, max_queue: int, engine: str = "native"
 ) -> subprocess.Popen:
-    env = {**os.environ, "CTXRELAY_API_KEYS": f"{KEY}:load"}
-    cmd = [sys.executable, "-m", "ctxrelay.cli", "serve", "--models", models, "--port", str(port),
-           "--threads", str(threads), "--max-queue", str(max_queue), "--engine", engine]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise UsageError(f"the server exited while starting: {proc.stderr.read()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise UsageError(f"the server did not answer /healthz within {wait_s:.0f} s")
+    args = ["--models", models, "--threads", str(threads), "--max-queue", str(max_queue), "--engine", engine]
+    return serve_process(args, port, f"{KEY}:load", wait_s)
 
 
 async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
@@ -303,11 +288,7 @@ def bench(
                 samples[f"{engine}, concurrency {c}"] = [r["ttft_s"] for r in res if r["status"] == "ok"]
                 path = write_results(out, rows, command, extra)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, 120)
     if path is None:
         raise UsageError("no concurrency level finished")
     plot(rows, samples, path.with_suffix(".png"))

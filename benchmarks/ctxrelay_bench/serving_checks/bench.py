@@ -20,10 +20,7 @@ The server runs with this process's torch threads; the clients mostly wait on so
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -32,6 +29,7 @@ from pathlib import Path
 from ctxrelay.errors import UsageError
 from ctxrelay.results import write_results
 from ctxrelay.transports.base import keys_from
+from ctxrelay_bench.harness import serve_process, stop_process
 from ctxrelay_bench.runs import bench_options, wait_until_quiet
 
 OPTIONS = {"port": 8393, "max_queue": 128, "waiting": 100, "long_tokens": 1024, "read_events": 8,
@@ -60,23 +58,9 @@ SHORT_PROMPT = [{"role": "user", "content": "Say hi."}]
 
 
 def start_server(model: str, port: int, threads: int, wait_s: float, max_queue: int, max_tokens: int):
-    import httpx
-
-    env = {**os.environ, "CTXRELAY_API_KEYS": f"{KEY}:checks"}
-    cmd = [sys.executable, "-m", "ctxrelay.cli", "serve", "--models", model, "--port", str(port),
-           "--threads", str(threads), "--max-queue", str(max_queue), "--max-tokens", str(max_tokens)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise UsageError(f"the server exited while starting: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(1)
-    proc.kill()
-    raise UsageError(f"the server did not answer /healthz within {wait_s:.0f} s")
+    args = ["--models", model, "--threads", str(threads), "--max-queue", str(max_queue),
+            "--max-tokens", str(max_tokens)]  # fmt: skip
+    return serve_process(args, port, f"{KEY}:checks", wait_s)
 
 
 def chat(url: str, model: str, messages: list[dict], max_tokens: int, timeout: float = 600) -> dict:
@@ -228,11 +212,7 @@ def bench(
             rows.append({"engine": "native", "transport": "native", "model": model, **row})
             details[row["check"]] = detail
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 30)
     extra = {"options": opts, "model": model, "server_threads": threads, "details": details}
     if busy is not None:
         extra["machine_busy_before"] = busy
