@@ -118,17 +118,23 @@ def test_zoo_model_relaying_its_own_kv_through_vllm_matches_native(tmp_path):
 
 @pytest.mark.real
 def test_a_cross_family_relay_served_by_vllm_answers_as_native(tmp_path):
-    """smollm2-135m reads an essay with a planted fact; heterofold (f = 0.2, no hiding) builds gemma3-270m's
-    cache; the connector loads it and vLLM answers the question: right, as vLLM's own prefill is."""
+    """smollm2-135m reads essays with a planted fact; heterofold (f = 0.2, no hiding) builds gemma3-270m's
+    cache; the connector loads it and vLLM answers the question. Over four held-out needles the relay is
+    right as often as vLLM's own prefill, less at most one (the issue's bar allows 1/8 fewer on 16: an
+    approximate cache may flip one low-margin answer, and which one differs between CPUs)."""
     missing = _vllm_missing()
     if missing:
         pytest.skip(missing)
     out = tmp_path / "cross.json"
     script = CHECKS.with_name("vllm_cross_relay.py")
     res = subprocess.run(
-        [str(VLLM_PYTHON), str(script), "smollm2-135m", "gemma3-270m", str(out), "--tokens", "2048", "--cases", "1"],
+        [str(VLLM_PYTHON), str(script), "smollm2-135m", "gemma3-270m", str(out), "--tokens", "2048", "--cases", "4"],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )  # fmt: skip
     assert out.exists(), f"the cross relay wrote nothing (exit {res.returncode}):\n{res.stderr[-4000:]}"
-    row = json.loads(out.read_text())["rows"][0]
-    assert row["native_right"] and row["relay_right"], row
+    rows = json.loads(out.read_text())["rows"]
+    answers = "\n".join(f"gold {r['gold']!r}: native {r['native_answer']!r}, relay {r['relay_answer']!r}" for r in rows)
+    native = sum(r["native_right"] for r in rows)
+    relay = sum(r["relay_right"] for r in rows)
+    assert native >= 2, f"vLLM's own prefill answered {native} of 4: the cases say nothing\n{answers}"
+    assert relay >= native - 1, f"the relay answered {relay} of 4 against native's {native}\n{answers}"
