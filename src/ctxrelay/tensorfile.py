@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load, save
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load, load_file, save, save_file
 
 from ctxrelay import seal
 from ctxrelay.errors import CtxrelayError
@@ -41,14 +41,19 @@ def payload_digest(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")  # no copy
     return h.hexdigest()
 
 
-def to_bytes(tensors: dict[str, torch.Tensor], manifest: dict) -> bytes:
+def _prepared(tensors: dict[str, torch.Tensor], manifest: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     manifest = seal.sealed(dict(manifest, payload_sha256=payload_digest(tensors)))
-    return save(tensors, metadata={MANIFEST_KEY: json.dumps(manifest)})
+    return tensors, {MANIFEST_KEY: json.dumps(manifest)}
+
+
+def to_bytes(tensors: dict[str, torch.Tensor], manifest: dict) -> bytes:
+    tensors, metadata = _prepared(tensors, manifest)
+    return save(tensors, metadata=metadata)
 
 
 def _manifest(data: bytes) -> dict:
@@ -64,13 +69,23 @@ def _manifest(data: bytes) -> dict:
 
 def from_bytes(data: bytes, what: str = "data", seal_mode: str = "if_present") -> tuple[dict[str, torch.Tensor], dict]:
     """Tensors and manifest of a file's bytes, checked: safetensors layout, checksum, seal (`SEAL_MODES`)."""
-    if seal_mode not in SEAL_MODES:
-        raise ValueError(f"seal_mode must be one of {SEAL_MODES}, not {seal_mode!r}")
+    _check_mode(seal_mode)
     try:
         manifest = _manifest(data)
         tensors = load(data)
     except (SafetensorError, KeyError, TypeError, ValueError, RecursionError, OverflowError) as e:
         raise TensorFileError(f"{what} is not a ctxrelay tensor file or is damaged ({str(e)[:200]})") from None
+    return _checked(tensors, manifest, what, seal_mode)
+
+
+def _check_mode(seal_mode: str) -> None:
+    if seal_mode not in SEAL_MODES:
+        raise ValueError(f"seal_mode must be one of {SEAL_MODES}, not {seal_mode!r}")
+
+
+def _checked(
+    tensors: dict[str, torch.Tensor], manifest: dict, what: str, seal_mode: str
+) -> tuple[dict[str, torch.Tensor], dict]:
     if manifest.get("payload_sha256") != payload_digest(tensors):
         raise TensorFileError(f"{what} is corrupted: tensor checksum does not match its manifest")
     why = "" if seal_mode == "ignored" else seal.verify(manifest)
@@ -82,17 +97,19 @@ def from_bytes(data: bytes, what: str = "data", seal_mode: str = "if_present") -
     return tensors, manifest
 
 
-def write(path: str | Path, tensors: dict[str, torch.Tensor], manifest: dict) -> Path:
-    """Atomic: a crash leaves the old file or the new one, never half of either."""
+def write(path: str | Path, tensors: dict[str, torch.Tensor], manifest: dict, durable: bool = True) -> Path:
+    """Atomic: a crash leaves the old file or the new one, never half of either. `durable=False` skips the
+    fsync, for files that live no longer than the process reading them (an engine's K/V hand-off)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = to_bytes(tensors, manifest)
+    tensors, metadata = _prepared(tensors, manifest)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        save_file(tensors, tmp, metadata=metadata)  # straight to the file: no bytes object of the whole payload
+        if durable:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -106,12 +123,31 @@ def reseal(path: str | Path) -> Path:
     return write(path, *read(path, "ignored"))
 
 
-def read(path: str | Path, seal_mode: str = "if_present") -> tuple[dict[str, torch.Tensor], dict]:
+def read(path: str | Path, seal_mode: str = "if_present", mapped: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """`mapped=True` maps the file instead of reading it into memory first: for large files that only this
+    owner's processes write, and only by atomic replace (a file truncated under a mapping faults)."""
     path = Path(path)
     try:
+        if mapped:
+            return _read_mapped(path, seal_mode)
         data = path.read_bytes()
     except FileNotFoundError:
         raise TensorFileError(f"{path} does not exist") from None
     except IsADirectoryError:
         raise TensorFileError(f"{path} is a directory, not a tensor file") from None
     return from_bytes(data, str(path), seal_mode)
+
+
+def _read_mapped(path: Path, seal_mode: str) -> tuple[dict[str, torch.Tensor], dict]:
+    _check_mode(seal_mode)
+    try:
+        with safe_open(str(path), "pt") as f:
+            manifest = json.loads((f.metadata() or {})[MANIFEST_KEY])
+        if not isinstance(manifest, dict):
+            raise ValueError("the manifest is not a JSON object")
+        tensors = load_file(str(path))
+    except (SafetensorError, KeyError, TypeError, ValueError, OSError) as e:
+        if isinstance(e, FileNotFoundError | IsADirectoryError):
+            raise
+        raise TensorFileError(f"{path} is not a ctxrelay tensor file or is damaged ({str(e)[:200]})") from None
+    return _checked(tensors, manifest, str(path), seal_mode)

@@ -65,29 +65,16 @@ def os_fault(stage: str, err: int) -> Iterator[Hits]:
     def raise_(*a, **k):
         raise fail()
 
-    real_fdopen = os.fdopen
+    real_save_file = tensorfile.save_file
 
-    class HalfWritten:  # the first half of the bytes reach the file, then the disk is "full"
-        def __init__(self, f):
-            self.f = f
-
-        def write(self, data):
-            self.f.write(data[: len(data) // 2])
-            self.f.flush()
-            raise fail()
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
+    def half_written(tensors, filename, metadata=None):  # the first half of the bytes reach the file, then "full"
+        real_save_file(tensors, filename, metadata=metadata)
+        os.truncate(filename, os.path.getsize(filename) // 2)
+        raise fail()
 
     patches = {
         "create": mock.patch.object(tensorfile.tempfile, "mkstemp", raise_),
-        "write": mock.patch.object(tensorfile.os, "fdopen", lambda *a, **k: HalfWritten(real_fdopen(*a, **k))),
+        "write": mock.patch.object(tensorfile, "save_file", half_written),
         "fsync": mock.patch.object(tensorfile.os, "fsync", raise_),
         "replace": mock.patch.object(tensorfile.os, "replace", raise_),
     }

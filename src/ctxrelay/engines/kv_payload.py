@@ -12,6 +12,8 @@ translated cache: never to enter the engine's exact prefix cache). It is a seale
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,13 @@ from ctxrelay.models.runner import KVCache
 
 FORMAT = "ctxrelay-engine-kv"
 VERSION = 1
+
+
+def handoff_dir(prefix: str = "ctxrelay-kv-") -> Path:
+    """A private (0700) folder for payload files, in shared memory where the machine has it: the hand-off to
+    the engine's worker then never touches a disk (the files are removed once the engine has loaded them)."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
 
 
 def token_digest(ids: list[int]) -> str:
@@ -55,20 +64,22 @@ class KVPayload:
             values.append(v[0].transpose(0, 1).to(dtype).contiguous())
         return KVPayload(keys, values, list(token_ids), weights_hash, tenant, exact)
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, durable: bool = False) -> Path:
+        """Not fsynced by default: the file lives only until the engine has loaded it."""
         tensors = {f"k.{i}": k for i, k in enumerate(self.keys)} | {f"v.{i}": v for i, v in enumerate(self.values)}
         manifest = {
             "format": FORMAT, "version": VERSION, "layers": len(self.keys), "tokens": self.tokens,
             "token_digest": token_digest(self.token_ids), "weights_hash": self.weights_hash,
             "tenant": self.tenant, "exact": self.exact,
         }  # fmt: skip
-        return tensorfile.write(path, tensors, manifest)
+        return tensorfile.write(path, tensors, manifest, durable=durable)
 
     @staticmethod
     def load(path: str | Path, token_ids: list[int], weights_hash: str, tenant: str) -> KVPayload:
         """The payload at `path`, refused unless it is this owner's (seal), of this model and tenant, and
         covers exactly the first tokens of `token_ids` (the request's prompt)."""
-        tensors, m = tensorfile.read(path, seal_mode="required")
+        # mapped: written by this owner and replaced atomically, never truncated in place
+        tensors, m = tensorfile.read(path, seal_mode="required", mapped=True)
         if m.get("format") != FORMAT or m.get("version") != VERSION:
             raise BindingError(f"{path} is not a ctxrelay engine K/V file of version {VERSION}")
         if m["weights_hash"] != weights_hash:

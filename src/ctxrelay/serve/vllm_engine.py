@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import httpx
 
-from ctxrelay.engines.kv_payload import KVPayload
+from ctxrelay.engines.kv_payload import KVPayload, handoff_dir
 from ctxrelay.engines.vllm_params import cache_salt, kv_params
 from ctxrelay.engines.vllm_server import DTYPES, EngineConfig, VllmServer
 from ctxrelay.models import runner
@@ -50,7 +49,7 @@ class VllmEngine(Engine):
         self.kind = "vllm"
         self.servers = servers
         self._http = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
-        self.payload_dir = Path(tempfile.mkdtemp(prefix="ctxrelay-kv-"))
+        self.payload_dir = handoff_dir()
 
     @staticmethod
     def start(
