@@ -138,3 +138,22 @@ def test_a_cross_family_relay_served_by_vllm_answers_as_native(tmp_path):
     relay = sum(r["relay_right"] for r in rows)
     assert native >= 2, f"vLLM's own prefill answered {native} of 4: the cases say nothing\n{answers}"
     assert relay >= native - 1, f"the relay answered {relay} of 4 against native's {native}\n{answers}"
+
+
+@pytest.mark.real
+def test_a_cross_family_relay_at_f1_through_vllm_equals_native(tmp_path):
+    """heterofold recomputing every context token (f = 1.0) builds gemma3-270m's own cache from smollm2-135m's
+    state; loaded through the connector, vLLM decodes as its own prefill does: the first 16 greedy tokens and
+    teacher-forced top-1 >= 0.99 on 8 held-out essays (the exactness bar before any quality number)."""
+    missing = _vllm_missing()
+    if missing:
+        pytest.skip(missing)
+    out = tmp_path / "f1.json"
+    res = subprocess.run(
+        [str(VLLM_PYTHON), str(CHECKS.with_name("vllm_f1_exact.py")), "smollm2-135m", "gemma3-270m", str(out),
+         "--tokens", "1024", "--cases", "8"],
+        capture_output=True, text=True, timeout=1200, cwd=ROOT,
+    )  # fmt: skip
+    assert out.exists(), f"the f = 1 check wrote nothing (exit {res.returncode}):\n{res.stderr[-4000:]}"
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["passed"], row["detail"]

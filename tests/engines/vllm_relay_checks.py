@@ -135,16 +135,24 @@ def main() -> int:
     return 0 if all(r["passed"] for r in rows) else 1
 
 
-def write_engine_results(name: str, rows: list[dict], extra: dict) -> None:
-    """benchmarks/results/NAME.json (machine facts, ISA) with this script's command and vLLM's version."""
+def write_engine_results(name: str, rows: list[dict], extra: dict, merge: bool = False) -> None:
+    """benchmarks/results/NAME.json (machine facts, ISA) with this script's command and vLLM's version. Each
+    row carries the command that made it; `merge` keeps the file's rows of other checks (several scripts
+    write one checks file), and the file's command lists every row's."""
     import shlex
 
     import vllm
 
-    from ctxrelay.results import write_results
+    from ctxrelay.results import results_file, write_results
 
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    write_results(name, rows, command, {**extra, "vllm": vllm.__version__})
+    rows = [{**r, "command": command} for r in rows]
+    path = results_file(name)
+    if merge and path.exists():
+        ours = {r["check"] for r in rows}
+        rows = [r for r in json.loads(path.read_text())["rows"] if r.get("check") not in ours] + rows
+    commands = " && ".join(dict.fromkeys(r.get("command", command) for r in rows))
+    write_results(name, rows, commands, {**extra, "vllm": vllm.__version__})
 
 
 if __name__ == "__main__":
