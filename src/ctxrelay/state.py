@@ -160,8 +160,9 @@ class ContextState:
         return tensorfile.write(path, *self.to_tensors())
 
     @staticmethod
-    def load(path: str | Path) -> ContextState:
-        return ContextState.from_tensors(*tensorfile.read(path, "required"), what=str(path))
+    def load(path: str | Path, mapped: bool = False) -> ContextState:
+        """`mapped`: for files only this owner writes, by atomic replace (tensorfile.read)."""
+        return ContextState.from_tensors(*tensorfile.read(path, "required", mapped=mapped), what=str(path))
 
 
 _INT_DTYPES = (torch.int64, torch.int32)

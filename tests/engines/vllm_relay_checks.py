@@ -149,8 +149,9 @@ def write_engine_results(name: str, rows: list[dict], extra: dict, merge: bool =
     rows = [{**r, "command": command} for r in rows]
     path = results_file(name)
     if merge and path.exists():
-        ours = {r["check"] for r in rows}
-        rows = [r for r in json.loads(path.read_text())["rows"] if r.get("check") not in ours] + rows
+        ours, old = {r["check"] for r in rows}, json.loads(path.read_text())
+        kept = [{"command": old["command"], **r} for r in old["rows"] if r.get("check") not in ours]
+        rows = kept + rows
     commands = " && ".join(dict.fromkeys(r.get("command", command) for r in rows))
     write_results(name, rows, commands, {**extra, "vllm": vllm.__version__})
 

@@ -36,7 +36,8 @@ from ctxrelay_bench.plots import cdf_step, save_figure
 from ctxrelay_bench.runs import bench_options
 
 OPTIONS = {"concurrency": "1,4,16", "requests": 32, "max_s": 300.0, "max_tokens": 16, "port": 8391, "warmup": 2,
-           "start_s": 300.0, "max_queue": 64, "engines": "native", "duration_s": 0.0}  # fmt: skip
+           "start_s": 300.0, "max_queue": 64, "engines": "native", "duration_s": 0.0,
+           "engine_mode": "compiled"}  # fmt: skip
 # `ctxrelay bench load --keys`: each `--set` key, its default and meaning
 TUNING_KEYS = keys_from(
     OPTIONS,
@@ -51,6 +52,7 @@ TUNING_KEYS = keys_from(
         "max_queue": "the server's --max-queue",
         "engines": "the servers loaded in turn: native (ctxrelay's runner) and/or vllm (comma list)",
         "duration_s": "> 0: each level's clients send requests back to back for this long (else `requests`)",
+        "engine_mode": "vLLM's mode with engines=vllm: compiled (its default) | eager",
     },
 )
 KEY = "load-test-key"
@@ -74,9 +76,12 @@ def prompts(model: str, n: int, tokens: int) -> list[str]:
 
 
 def start_server(
-    models: str, port: int, threads: int, wait_s: float, max_queue: int, engine: str = "native"
-) -> subprocess.Popen:
+    models: str, port: int, threads: int, wait_s: float, max_queue: int, engine: str = "native",
+    engine_mode: str = "compiled",
+) -> subprocess.Popen:  # fmt: skip
     args = ["--models", models, "--threads", str(threads), "--max-queue", str(max_queue), "--engine", engine]
+    if engine == "vllm":
+        args += ["--engine-mode", engine_mode]
     return serve_process(args, port, f"{KEY}:load", wait_s)
 
 
@@ -270,7 +275,7 @@ def bench(
     for engine in engines:
         port = int(opts["port"])
         start_s = float(opts["start_s"]) if engine == "native" else max(float(opts["start_s"]), 1800.0)
-        proc = start_server(model, port, threads, start_s, int(opts["max_queue"]), engine)
+        proc = start_server(model, port, threads, start_s, int(opts["max_queue"]), engine, str(opts["engine_mode"]))
         url = f"http://127.0.0.1:{port}"
         try:
             asyncio.run(run_level(url, served, texts[:w], 1, int(opts["max_tokens"]), float(opts["max_s"])))
@@ -281,6 +286,8 @@ def bench(
                     run_level(url, served, batch, c, int(opts["max_tokens"]), float(opts["max_s"]), duration)
                 )
                 row = {"engine": engine, **summarize(res, pending, wall, c)}
+                if engine == "vllm":
+                    row["engine_mode"] = opts["engine_mode"]
                 after = served_counts(url)
                 row["server_counts"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
                 row["server_counts_match"] = counts_match(row["statuses"], before, after)

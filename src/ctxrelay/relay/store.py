@@ -257,7 +257,7 @@ class DiskStore(StateStore):
         if not path.exists():
             return None
         try:
-            state = ContextState.load(path)
+            state = ContextState.load(path, mapped=True)  # entries are only ever replaced whole (put)
         except (tensorfile.TensorFileError, OSError) as e:
             raise StoreUnavailable(f"disk store entry {key} is unreadable: {e}") from None
         return _checked(state, key, tenant)
