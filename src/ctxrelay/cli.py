@@ -151,11 +151,8 @@ def _print_keys(title: str, keys: list | None) -> None:
 def calibrate(
     transport_arg: str = typer.Argument("", metavar="TRANSPORT", help="the transport (or --transport)"),
     stage: str = typer.Argument(
-        "",
-        metavar="STAGE",
-        help="the stage to run (--set stage=): heterofold has all, recompute, facts, "
-        "refit, keep, drop (`--keys` says what each does)",
-        show_default=False,
+        "", metavar="STAGE", help="the stage to run (--set stage=): heterofold has all, recompute, facts, "
+        "refit, keep, drop (`--keys` says what each does)", show_default=False,
     ),  # fmt: skip
     transport: str = typer.Option("", "--transport", help="the transport to calibrate: mapflow or heterofold"),
     sender: str = typer.Option("", help="zoo name or model path"),
@@ -232,11 +229,8 @@ def bench(
         "native", metavar="NAME|report", help="the benchmark (`ctxrelay bench --list` names them), or `report`"
     ),
     target: str = typer.Argument(
-        "",
-        metavar="NAME",
-        help="after `report`: the benchmark whose results file (--out) to derive the tables "
-        "and plot of again, no model runs",
-        show_default=False,
+        "", metavar="NAME", help="after `report`: the benchmark whose results file (--out) to derive the tables "
+        "and plot of again, no model runs", show_default=False,
     ),  # fmt: skip
     model: str = typer.Option("", help="native: comma-separated zoo names or 'all'"),
     sender: str = typer.Option("", help="comma-separated senders (transports)"),

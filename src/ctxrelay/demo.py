@@ -35,8 +35,8 @@ from ctxrelay.results import machine_facts, validate_rows, write_results
 DEFAULT_SENDER = "qwen2.5-coder-1.5b"
 DEFAULT_RECEIVERS = ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m")
 TIMING_COLUMNS = (
-    "translate_s", "copy_s", "assemble_s", "select_s", "recompute_s", "rejected_relay_s", "first_token_s",
-    "gate_s", "prefill_s",
+    "store_read_s", "translate_s", "copy_s", "assemble_s", "select_s", "recompute_s", "rejected_relay_s",
+    "first_token_s", "gate_s", "prefill_s",
 )  # fmt: skip
 TABLE_WIDTH = 100  # readable in a 100-column terminal: short columns, the reasons below the table
 

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from vllm_env import VLLM_PYTHON, vllm_missing
+from vllm_env import VLLM_PYTHON, record_checks, vllm_missing
 
 from ctxrelay import zoo
 from ctxrelay.data.datasets import essay_haystack
@@ -87,16 +87,33 @@ def test_a_conversation_moves_from_smollm2_to_gemma3_and_relays_inside_vllm(serv
     asked = case.question.strip().split("\n")[0].removeprefix("Question: ")
     question = f"Using only the document, answer in a few words: {asked}"
     relayed, relayed_text = _turns(client, case.context, question, "auto")
-    assert relayed["transport"] == "heterofold", f"the gate declined: {relayed['reason']}"
-    assert relayed["relayed_from"] == MODELS[0] and relayed["prefilled_tokens"] < 200, relayed
     native, native_text = _turns(client, case.context, question, "native")
-    assert native["transport"] == "native" and native["context_tokens"] == relayed["context_tokens"]
-    # the relayed (approximate) blocks sat under a salt of their own: the same prompt sent natively after it
-    # found none of them in the engine's prefix cache
-    assert native["engine_cached_tokens"] == 0, native
     right = {k: score_answer(t, case.answer)["exact"] for k, t in (("relay", relayed_text), ("native", native_text))}
-    print(f"relayed {relayed['ttft_s']:.2f} s: {relayed_text!r}\nnative {native['ttft_s']:.2f} s: {native_text!r}")
-    assert right["relay"] == right["native"], (right, relayed_text, native_text, relayed["reason"])
+    checks = {
+        # the gate relayed turn 2 from smollm2's state; the engine prefilled only the new turn
+        "relayed": relayed["transport"] == "heterofold" and relayed["relayed_from"] == MODELS[0]
+        and relayed["prefilled_tokens"] < 200,
+        "native_is_native": native["transport"] == "native" and native["context_tokens"] == relayed["context_tokens"],
+        # the relayed (approximate) blocks sat under a salt of their own: the same prompt sent natively after
+        # it found none of them in the engine's prefix cache
+        "no_prefix_crossing": native["engine_cached_tokens"] == 0,
+        "answers_as_native": right["relay"] == right["native"],
+    }  # fmt: skip
+    detail = (
+        f"{relayed['context_tokens']} context tokens; relayed ({relayed['reason']}) in {relayed['ttft_s']:.2f} s: "
+        f"{relayed_text!r}; native in {native['ttft_s']:.2f} s: {native_text!r}; gold {case.answer!r}; "
+        f"native request's cached tokens {native['engine_cached_tokens']}; {checks}"
+    )
+    row = {
+        "check": "serve_two_models_relayed", "passed": all(checks.values()), "detail": detail,
+        "transport": relayed["transport"], "engine": "vllm", "value": native["ttft_s"] / relayed["ttft_s"],
+    }  # fmt: skip
+    record_checks("vllm-checks", [row], "pytest -m real tests/engines/test_vllm_serve.py")
+    print(detail)
+    assert checks["relayed"], f"the gate declined or relayed otherwise: {relayed}"
+    assert checks["native_is_native"], native
+    assert checks["no_prefix_crossing"], native
+    assert checks["answers_as_native"], (right, relayed_text, native_text, relayed["reason"])
 
 
 def test_tenants_never_share_the_engine_prefix_cache(server):

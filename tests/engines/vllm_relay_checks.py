@@ -136,25 +136,21 @@ def main() -> int:
 
 
 def write_engine_results(name: str, rows: list[dict], extra: dict, merge: bool = False) -> None:
-    """benchmarks/results/NAME.json (machine facts, ISA) with this script's command and vLLM's version. Each
-    row carries the command that made it; `merge` keeps the file's rows of other checks (several scripts
-    write one checks file), and the file's command lists every row's."""
+    """benchmarks/results/NAME.json (machine facts, ISA) with this script's command and vLLM's version;
+    `merge`: into the file's rows of other checks (vllm_env.record_checks)."""
     import shlex
 
     import vllm
+    from vllm_env import record_checks
 
-    from ctxrelay.results import results_file, write_results
+    from ctxrelay.results import write_results
 
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    rows = [{**r, "command": command} for r in rows]
-    path = results_file(name)
-    if merge and path.exists():
-        ours, old = {r["check"] for r in rows}, json.loads(path.read_text())
-        kept = [{"command": old["command"], **r} for r in old["rows"] if r.get("check") not in ours]
-        rows = kept + rows
-    commands = " && ".join(dict.fromkeys(r.get("command", command) for r in rows))
-    write_results(name, rows, commands, {**extra, "vllm": vllm.__version__})
-
+    extra = {**extra, "vllm": vllm.__version__}
+    if merge:
+        record_checks(name, rows, command, extra)
+    else:
+        write_results(name, rows, command, extra)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -320,9 +320,9 @@ class ModelPool:
         try:
             state = self.store.get(key, tenant)
         except StoreUnavailable as e:
-            timings["copy_s"] = time.perf_counter() - ts
+            timings["store_read_s"] = time.perf_counter() - ts
             return None, text, f"state store unavailable ({e}); native prefill"
-        timings["copy_s"] = time.perf_counter() - ts
+        timings["store_read_s"] = time.perf_counter() - ts
         if state is None:
             return None, text, f"no stored state of this context from {sender} for tenant {tenant!r}"
         return state, text, ""
