@@ -36,6 +36,7 @@ except ImportError as e:  # the one module of ctxrelay that needs the engine
 
 from ctxrelay.engines.kv_payload import KVPayload
 from ctxrelay.engines.paged import claimable, slot_mapping
+from ctxrelay.engines.vllm_idle import cap_idle_spin
 from ctxrelay.engines.vllm_params import PARAM, cpu_engine_env, transfer_config, transfer_params
 from ctxrelay.errors import CtxrelayError
 
@@ -76,6 +77,9 @@ class CtxrelayConnector(KVConnectorBase_V1):
         self.weights_hash = str(extra.get("weights_hash", ""))
         self._claimed: dict[str, tuple[dict, int, int]] = {}  # scheduler: req id -> (params, start, end)
         self._load_errors: set[int] = set()  # worker: blocks whose load failed
+        cap = cap_idle_spin()  # in the worker's process: its idle spin would take a core from the router
+        if cap is not None:
+            log.info("ctxrelay: vLLM's idle spin capped at %g s (%s)", cap, role)
 
     # ---- scheduler side ------------------------------------------------------------------------------
 

@@ -44,4 +44,5 @@ def cpu_engine_env(kv_space_gib: float, env: dict | None = None) -> dict:
     env = os.environ if env is None else env
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_space_gib:g}")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    env.setdefault("CTXRELAY_ENGINE_IDLE_SPIN_S", "0.05")  # engines/vllm_idle.py: the worker's idle spin, capped
     return env
