@@ -23,7 +23,7 @@ from ctxrelay import zoo
 from ctxrelay.relay.store import MemoryStore
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.sessions import Session
-from ctxrelay.serve.shared_sessions import RedisSessionStore
+from ctxrelay.serve.shared_sessions import GONE, RedisSessionStore
 from local_redis import start_redis
 
 pytestmark = pytest.mark.redis
@@ -118,6 +118,31 @@ def test_a_long_turn_keeps_its_lock_and_only_its_holder_saves_or_releases(redis_
         assert e.value.status_code == 409 and not r.exists(store.record_key("acme", late.id))
         store.release(late)
         assert r.get(store.lock_key("acme", late.id)) == b"another-turn"
+    finally:
+        store.close()
+
+
+def test_a_state_whose_builder_went_away_is_not_waited_for(redis_url):
+    """A record says `building` under a lease its builder renews; without the lease nobody waits for it, and a
+    build that ends after a later turn moved on names nothing."""
+    r = redis.Redis.from_url(redis_url)
+    store = RedisSessionStore(r, MemoryStore(1 << 20, 4096), prefix="ctxrelay-build-test", lock_ttl_s=0.3)
+    try:
+        s = store.open("new", "acme")
+        store.hold(s)
+        s.messages, s.turns, s.model, s.building = [{"role": "user", "content": "hi"}], 1, "m", time.time()
+        store.save(s)
+        store.release(s)
+        other = store.open(s.id, "acme")
+        time.sleep(0.5)  # past the lease's expiry: renewed while this process builds
+        store.refresh(other)
+        assert other.building is not None
+        with store._mutex:
+            store._builds.clear()  # the builder goes away: nobody renews its lease
+        time.sleep(0.5)
+        store.refresh(other)
+        assert other.building is None and other.state is None and other.no_state == GONE
+        assert store.attach(s, 2, None, "late")[1].startswith("a later turn moved on")
     finally:
         store.close()
 
