@@ -159,3 +159,15 @@ def test_a_relayed_turn_leaves_its_own_models_prefill(tiny_by_family, tmp_path):
         assert r2["relayed_from"] == llama.name and r2["next_state"] == "prefill"  # approximate: never extended
     finally:
         stop()
+
+
+def test_the_first_turn_end_check_times_both_kinds_of_turn(served):
+    """The serving check's mechanics on a tiny model (its ratio is a real model's number: not judged here)."""
+    from ctxrelay_bench.serving_checks.first_turn import end_ratio_check
+
+    url, _, llama = served
+    opts = {"first_turn_tokens": 256, "first_turn_max_tokens": 4, "end_ratio_max": 1.10}
+    row, detail = end_ratio_check(url, llama, AUTH, opts, 1)
+    assert row["check"] == "first_turn_end_ratio" and row["value"] > 0
+    assert detail["next_state"] == {"state": "prefill", "no_state": "none"}
+    assert abs(detail["prompt_tokens"] - 256) <= 8 and len(detail["state_built_after_end_s"]) == 1
