@@ -205,7 +205,7 @@ class Engine:
         """After the turn (the compute lock released): the conversation takes the turn and its state is built
         in the background (state_builder.py); the report says how that state is made and what this turn read."""
         if session is None:
-            report["next_state"] = "none"
+            report.update(next_state="none", next_state_build=None)
             return
         relayed_from = session.model
         how = self.states.leave(session, p.model, tenant, [*p.history, *p.new], reply, store)
