@@ -435,10 +435,19 @@ def serve(
     engine_profile_lengths: str = typer.Option(
         "2048,4096", help="vLLM: context lengths the gate's engine costs are measured at (once per machine)"
     ),
+    backend: str = typer.Option(
+        "local", envvar="CTXRELAY_BACKEND", help="local (this process) | ray (Ray Serve: a deployment per model)"
+    ),
+    replicas: str = typer.Option("1", help="ray: replicas per model: N (each) or MODEL=N,... (the others 1)"),
+    replica_cpus: float = typer.Option(1.0, help="ray: CPUs Ray reserves per model replica (its torch threads)"),
+    ray_address: str = typer.Option(
+        "", envvar="RAY_ADDRESS", help="ray: the cluster to join (HOST:PORT or auto); empty: start one here"
+    ),
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) with conversations
     that move between models, plus /prefill, /continue, /graph, /models, /healthz and /metrics."""
     from ctxrelay.engines.vllm_server import EngineConfig
+    from ctxrelay.errors import UsageError
     from ctxrelay.relay.api import ModelPool
     from ctxrelay.serve.app import Settings
     from ctxrelay.serve.app import serve as run_server
@@ -447,11 +456,9 @@ def serve(
 
     digests = load_keys(keys or None)
     check_exposure(host, digests)  # before loading models: a refused start costs nothing
-    set_threads(threads or None)
+    if backend not in ("local", "ray"):
+        raise UsageError(f"--backend must be local or ray, not {backend!r}")
     config = EngineConfig.from_options(engine, engine_mode, engine_dtype, engine_kv_gib, engine_profile_lengths)
-    pool = ModelPool(
-        [m for m in models.split(",") if m], store=store, quality_threshold=quality_threshold, engine=engine != "native"
-    )
     limits = Limits(default_max_tokens=min(64, max_tokens), max_tokens=max_tokens)
     settings = Settings(
         keys=digests, max_queue=max_queue, request_timeout_s=request_timeout, max_sessions=max_sessions,
@@ -459,6 +466,18 @@ def serve(
         engine=engine, engine_config=config,
         max_body_bytes=int(max_body_mb * (1 << 20)),
     )  # fmt: skip
+    names = [m for m in models.split(",") if m]
+    if backend == "ray":  # the replicas load the models, not this process
+        from ctxrelay.serve import ray_backend as rb
+
+        rc = rb.RayConfig(
+            names, store, quality_threshold, settings, rb.parse_replicas(replicas, names), replica_cpus, threads,
+            rb.replica_env(),
+        )  # fmt: skip
+        rb.check(rc, engine)
+        return rb.run(rc, host, port, ray_address)
+    set_threads(threads or None)
+    pool = ModelPool(names, store=store, quality_threshold=quality_threshold, engine=engine != "native")
     run_server(pool, settings, host, port, graceful)
 
 
