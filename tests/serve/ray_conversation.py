@@ -29,7 +29,7 @@ from ctxrelay.serve.auth import load_keys
 from ctxrelay.serve.ray_backend import deploy, replica_env
 from ctxrelay.serve.ray_models import REPLICA_HEADER, RayConfig
 from ctxrelay_bench.harness import free_port, start_redis
-from ctxrelay_bench.ray_cluster import LocalCluster, group_rss_bytes
+from ctxrelay_bench.ray_cluster import LocalCluster, namespace_rss_bytes
 
 
 def main(spec_path: str) -> int:
@@ -50,7 +50,7 @@ def main(spec_path: str) -> int:
                            replica_cpus=1.0, threads=1, env=replica_env())  # fmt: skip
         deploy(config, "127.0.0.1", port)
         phase("deployed")
-        out["memory_deployed_bytes"] = group_rss_bytes(cluster.pgids)
+        out["memory_deployed_bytes"] = namespace_rss_bytes()
         key = spec["keys"].split(":")[0]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=600)
         history: list[dict] = []
@@ -75,7 +75,7 @@ def main(spec_path: str) -> int:
             out["turns"].append({"model": model, "status": raw.status_code, "replica": raw.headers.get(REPLICA_HEADER),
                                  "report": report, "text": text, "prompt_tokens": c.usage.prompt_tokens})  # fmt: skip
             phase(f"turn{i + 1}")
-        out["memory_bytes"] = group_rss_bytes(cluster.pgids)
+        out["memory_bytes"] = namespace_rss_bytes()
         out["alive_replicas"] = sorted(
             a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"]
         )  # fmt: skip
