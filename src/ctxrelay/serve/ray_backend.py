@@ -99,8 +99,22 @@ def deploy(config: RayConfig, host: str, port: int, timeout_s: float = 600.0) ->
         time.sleep(0.5)
 
 
+def serve_on(
+    backend: str, models: list[str], store: str, quality_threshold: float, settings, replicas: str, threads: int,
+    host: str, port: int,
+) -> None:  # fmt: skip
+    """`ctxrelay serve --backend BACKEND` other than local: checked before Ray starts, then `run`."""
+    if backend != "ray":
+        raise UsageError(f"--backend must be local or ray, not {backend!r}")
+    cpus = float(threads or 1)  # each replica reserves the CPUs its torch threads use
+    config = RayConfig(models, store, quality_threshold, settings, parse_replicas(replicas, models), cpus, threads,
+                       replica_env())  # fmt: skip
+    check(config, settings.engine)
+    run(config, host, port)
+
+
 def run(config: RayConfig, host: str, port: int, address: str = "") -> None:
-    """`ctxrelay serve --backend ray`: join the cluster at `address` (or start one in this process), deploy,
+    """Join the cluster at `address` (empty: $RAY_ADDRESS, or a Ray instance started in this process), deploy,
     serve until SIGINT/SIGTERM, then take the application down."""
     import signal
     import threading
