@@ -41,12 +41,14 @@ def _needs_ray_and_a_namespace():
         pytest.skip("redis-server is not installed (make dev installs it)")
 
 
-def run_conversation(tmp: Path, spec: dict, env: dict[str, str], timeout_s: float = 900) -> dict:
-    """ray_conversation.py in a loopback-only namespace; its result. Whatever it leaves running is ended."""
+def run_conversation(tmp: Path, spec: dict, env: dict[str, str], timeout_s: float = 900,
+                     driver: str = "ray_conversation.py") -> dict:  # fmt: skip
+    """A driver (ray_conversation.py) in a loopback-only namespace; its result. Whatever it leaves running is
+    ended."""
     spec = {**spec, "work": str(tmp), "out": str(tmp / "result.json")}
     (tmp / "spec.json").write_text(json.dumps(spec))
     path = os.pathsep.join([str(SRC), str(ROOT / "benchmarks"), str(HERE), env.get("PYTHONPATH", "")])
-    cmd = in_loopback_namespace([sys.executable, str(HERE / "ray_conversation.py"), str(tmp / "spec.json")])
+    cmd = in_loopback_namespace([sys.executable, str(HERE / driver), str(tmp / "spec.json")])
     with (tmp / "driver.log").open("w") as log:
         env = {**env, **auth_env(), "PYTHONPATH": path}
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -126,6 +128,18 @@ def test_tiny_models_turn3_continues_after_the_turn1_replica_is_killed(tmp_path,
     out = run_conversation(tmp_path, spec, env)
     check_turns(out, *names, "heterofold")  # the reverse edge relays turn 3 too
     print(json.dumps({"phases_s": out["phases_s"], "memory_gib": out["memory_bytes"] / 2**30}))
+
+
+def test_the_command_serves_on_a_ray_instance_of_its_own_and_stops_on_sigterm(tmp_path, tiny_by_family):
+    """`ctxrelay serve --backend ray` as a user runs it (no cluster given: it starts Ray itself)."""
+    models = tiny_cache(tmp_path, tiny_by_family)
+    env = {**os.environ, "CTXRELAY_CACHE": str(tmp_path / "cache"), "CTXRELAY_THREADS": "1"}
+    spec = {"models": models, "names": [Path(m).name for m in models], "keys": KEYS}
+    out = run_conversation(tmp_path, spec, env, driver="ray_cli_driver.py")
+    assert out["status"] == 200 and out["report"]["model"] == Path(models[1]).name, out
+    assert out["unauthorised"] == 401  # the replicas check the keys
+    assert out["exit"] == 0 and out["left"] == [], out  # SIGTERM took the application and Ray down
+    print(json.dumps({"up_s": out["up_s"]}))
 
 
 def measured_cache(tmp: Path, models: list[str], env: dict[str, str]) -> Path:
