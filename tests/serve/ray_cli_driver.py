@@ -56,6 +56,11 @@ def main(spec_path: str) -> int:
         r = httpx.post(base + "/v1/chat/completions", json=body, headers=auth, timeout=120)
         out["status"], out["report"] = r.status_code, r.json().get("ctxrelay")
         out["unauthorised"] = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).status_code
+        with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}, headers=auth,
+                          timeout=120) as streamed:  # fmt: skip
+            events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        out["stream_status"], out["stream_events"] = streamed.status_code, len(events)
+        out["stream_last"] = events[-2] if len(events) > 1 else ""  # the chunk before [DONE]: the ctxrelay field
         proc.send_signal(signal.SIGTERM)
         out["exit"] = proc.wait(120)
         time.sleep(2)

@@ -97,7 +97,7 @@ def record(detail: str, passed: bool, out: dict, models: list[str], extra: dict)
         "turn_ttft_s": [t["report"]["ttft_s"] for t in out["turns"]], "phases_s": out["phases_s"],
         "memory_gib": round(out["memory_bytes"] / 2**30, 2),
     }  # fmt: skip
-    command = "pytest -m real " + shlex.quote("tests/serve/test_ray_backend.py")
+    command = "python -m pytest -q -m real " + shlex.quote("tests/serve/test_ray_backend.py")
     write_results("scaleout-checks", [row], command, {**extra, "cluster": "head + 1 node process, loopback netns"})
 
 
@@ -134,13 +134,15 @@ def test_tiny_models_turn3_continues_after_the_turn1_replica_is_killed(tmp_path,
 
 
 def test_the_command_serves_on_a_ray_instance_of_its_own_and_stops_on_sigterm(tmp_path, tiny_by_family):
-    """`ctxrelay serve --backend ray` as a user runs it (no cluster given: it starts Ray itself)."""
+    """`ctxrelay serve --backend ray` as a user runs it (no cluster given: it starts Ray itself): a turn, a
+    refused key and a stream, each through the ingress."""
     models = tiny_cache(tmp_path, tiny_by_family)
     env = {**os.environ, "CTXRELAY_CACHE": str(tmp_path / "cache"), "CTXRELAY_THREADS": "1"}
     spec = {"models": models, "names": [Path(m).name for m in models], "keys": KEYS}
     out = run_conversation(tmp_path, spec, env, driver="ray_cli_driver.py")
     assert out["status"] == 200 and out["report"]["model"] == Path(models[1]).name, out
     assert out["unauthorised"] == 401  # the replicas check the keys
+    assert out["stream_status"] == 200 and out["stream_events"] >= 3 and '"ctxrelay"' in out["stream_last"], out
     assert out["exit"] == 0 and out["left"] == [], out  # SIGTERM took the application and Ray down
     print(json.dumps({"up_s": out["up_s"]}))
 
