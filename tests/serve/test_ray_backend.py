@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -137,9 +138,13 @@ def test_the_command_serves_on_a_ray_instance_of_its_own_and_stops_on_sigterm(tm
     """`ctxrelay serve --backend ray` as a user runs it (no cluster given: it starts Ray itself): a turn, a
     refused key and a stream, each through the ingress."""
     models = tiny_cache(tmp_path, tiny_by_family)
-    env = {**os.environ, "CTXRELAY_CACHE": str(tmp_path / "cache"), "CTXRELAY_THREADS": "1"}
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's own files (short: socket paths), not /tmp/ray
+    env = {**os.environ, "CTXRELAY_CACHE": str(tmp_path / "cache"), "CTXRELAY_THREADS": "1", "RAY_TMPDIR": ray_tmp}
     spec = {"models": models, "names": [Path(m).name for m in models], "keys": KEYS}
-    out = run_conversation(tmp_path, spec, env, driver="ray_cli_driver.py")
+    try:
+        out = run_conversation(tmp_path, spec, env, driver="ray_cli_driver.py")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert out["status"] == 200 and out["report"]["model"] == Path(models[1]).name, out
     assert out["unauthorised"] == 401  # the replicas check the keys
     assert out["stream_status"] == 200 and out["stream_events"] >= 3 and '"ctxrelay"' in out["stream_last"], out
