@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export CTXRELAY_THREADS ?= 2
 
-.PHONY: setup dev zoo demo test test-fast lint bench-native vllm clean
+.PHONY: setup dev zoo demo test test-fast lint bench-native vllm ray clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,9 +48,14 @@ vllm:
 	  json.dump({'vllm': vllm.__version__, 'torch': torch.__version__, 'transformers': transformers.__version__}, sys.stdout)" \
 	  > $(VLLM_VENV)/versions.json && cat $(VLLM_VENV)/versions.json
 
+# Ray Serve for `ctxrelay serve --backend ray` (an extra): its tests skip and say why without it.
+ray: dev
+	$(BIN)/pip install -q -e '.[ray]'
+
 # The whole suite: lint, fast tests on tiny models, and the `real` tests on the zoo models.
 test: dev zoo
 	-$(MAKE) --no-print-directory vllm  # where it cannot install, the engine tests skip and say why
+	-$(MAKE) --no-print-directory ray
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest -q --durations=15
 

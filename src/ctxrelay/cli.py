@@ -349,6 +349,7 @@ def profile(
     from ctxrelay.demo import text_for
     from ctxrelay.relay.api import ModelPool
     from ctxrelay.relay.graph import Profile
+    from ctxrelay.relay.graph_table import print_graph
     from ctxrelay.relay.profile import profile_pool, refit_profile
 
     if refit:
@@ -363,7 +364,7 @@ def profile(
     prof.machine = {"torch_threads": n, "cores": os.cpu_count()}
     prof.save(pool.profile_path)
     console.print(f"[green]profile written:[/] {pool.profile_path}")
-    _print_graph(pool, max(int(x) for x in lengths.split(",")))
+    print_graph(console, pool, max(int(x) for x in lengths.split(",")))
 
 
 @app.command()
@@ -377,10 +378,11 @@ def graph(
     from pathlib import Path
 
     from ctxrelay.relay.api import ModelPool
+    from ctxrelay.relay.graph_table import print_graph
 
     set_threads(None)
     pool = ModelPool([m for m in models.split(",") if m])
-    _print_graph(pool, tokens)
+    print_graph(console, pool, tokens)
     if plot:
         console.print(f"[green]plot written:[/] {pool.graph.plot(Path(plot), tokens)}")
 
@@ -429,6 +431,8 @@ def serve(
     engine_profile_lengths: str = typer.Option(
         "2048,4096", help="vLLM: context lengths the gate's engine costs are measured at (once per machine)"
     ),
+    backend: str = typer.Option("local", envvar="CTXRELAY_BACKEND", help="local | ray (Ray Serve; $RAY_ADDRESS)"),
+    replicas: str = typer.Option("1", help="ray: replicas per model: N (each) or MODEL=N,... (the others 1)"),
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) with conversations
     that move between models, plus /prefill, /continue, /graph, /models, /healthz and /metrics."""
@@ -441,11 +445,7 @@ def serve(
 
     digests = load_keys(keys or None)
     check_exposure(host, digests)  # before loading models: a refused start costs nothing
-    set_threads(threads or None)
     config = EngineConfig.from_options(engine, engine_mode, engine_dtype, engine_kv_gib, engine_profile_lengths)
-    pool = ModelPool(
-        [m for m in models.split(",") if m], store=store, quality_threshold=quality_threshold, engine=engine != "native"
-    )
     limits = Limits(default_max_tokens=min(64, max_tokens), max_tokens=max_tokens)
     settings = Settings(
         keys=digests, max_queue=max_queue, request_timeout_s=request_timeout, max_sessions=max_sessions,
@@ -453,6 +453,13 @@ def serve(
         engine=engine, engine_config=config,
         max_body_bytes=int(max_body_mb * (1 << 20)),
     )  # fmt: skip
+    names = [m for m in models.split(",") if m]
+    if backend != "local":  # its replicas load the models, not this process
+        from ctxrelay.serve.ray_backend import serve_on
+
+        return serve_on(backend, names, store, quality_threshold, settings, replicas, threads, host, port)
+    set_threads(threads or None)
+    pool = ModelPool(names, store=store, quality_threshold=quality_threshold, engine=engine != "native")
     run_server(pool, settings, host, port, graceful)
 
 
@@ -465,30 +472,6 @@ def seal(paths: list[str] = typer.Argument(..., help="states or artifacts to vou
 
     for p in paths:
         console.print(f"[green]sealed:[/] {tensorfile.reseal(p)}")
-
-
-def _print_graph(pool, tokens: int) -> None:
-    g = pool.graph
-    nodes = Table(title="nodes (model versions)")
-    for col in ("model", "weights", "tokenizer", f"native prefill @ {tokens} (predicted)"):
-        nodes.add_column(col)
-    for n in g.nodes.values():
-        cost = f"{n.native_cost.total(tokens):.2f} s" if n.native_cost else "not profiled"
-        nodes.add_row(n.name, n.weights_hash[:12], n.tokenizer_hash[:12], cost)
-    console.print(nodes)
-    edges = Table(title=f"edges (calibrated transports), costs predicted at {tokens} tokens")
-    rows = g.rows(tokens)
-    for col in ("edge", "method", "top1", "kl", "relay s", "native s", "speedup", "artifact"):
-        edges.add_column(col)
-    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)
-    for r in rows:
-        edges.add_row(
-            r["edge"], str(r["method"]), fmt(r["top1_agreement"]), fmt(r["kl"], "{:.3f}"),
-            fmt(r[f"relay_s@{tokens}"]), fmt(r[f"native_s@{tokens}"]), fmt(r["speedup"], "{:.1f}x"), r["artifact"],
-        )  # fmt: skip
-    console.print(edges)
-    for line in g.skipped:
-        console.print(f"[yellow]skipped:[/] {line}")
 
 
 def main() -> None:  # pragma: no cover

@@ -23,7 +23,7 @@ from ctxrelay import zoo
 from ctxrelay.relay.store import MemoryStore
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.sessions import Session
-from ctxrelay.serve.shared_sessions import RedisSessionStore
+from ctxrelay.serve.shared_sessions import GONE, RedisSessionStore
 from local_redis import start_redis
 
 pytestmark = pytest.mark.redis
@@ -71,11 +71,20 @@ def reply(completion) -> dict:
     return {"role": "assistant", "content": completion.choices[0].message.content}
 
 
+def built(r: redis.Redis, conv: str) -> dict:
+    """A conversation's record once the state its last turn left is built (after the reply) and named."""
+    deadline = time.monotonic() + 60
+    while (record := json.loads(r.get(f"ctxrelay:conv:acme:{conv}")))["building"] is not None or r.exists(
+        f"ctxrelay:conv-build:acme:{conv}"
+    ):  # named, then the build's lease ended
+        assert time.monotonic() < deadline, "the state was never built"
+        time.sleep(0.02)
+    return record
+
+
 def state_key(r: redis.Redis, conv: str) -> str:
     """The Redis key of the state a conversation's record names."""
-    return "ctxrelay:state:acme:{content_hash}:{model_hash}".format(
-        **json.loads(r.get(f"ctxrelay:conv:acme:{conv}"))["state"]
-    )
+    return "ctxrelay:state:acme:{content_hash}:{model_hash}".format(**built(r, conv)["state"])
 
 
 def started(url: str, model: str, messages: list[dict] = QUESTION) -> str:
@@ -113,6 +122,31 @@ def test_a_long_turn_keeps_its_lock_and_only_its_holder_saves_or_releases(redis_
         store.close()
 
 
+def test_a_state_whose_builder_went_away_is_not_waited_for(redis_url):
+    """A record says `building` under a lease its builder renews; without the lease nobody waits for it, and a
+    build that ends after a later turn moved on names nothing."""
+    r = redis.Redis.from_url(redis_url)
+    store = RedisSessionStore(r, MemoryStore(1 << 20, 4096), prefix="ctxrelay-build-test", lock_ttl_s=0.3)
+    try:
+        s = store.open("new", "acme")
+        store.hold(s)
+        s.messages, s.turns, s.model, s.building = [{"role": "user", "content": "hi"}], 1, "m", time.time()
+        store.save(s)
+        store.release(s)
+        other = store.open(s.id, "acme")
+        time.sleep(0.5)  # past the lease's expiry: renewed while this process builds
+        store.refresh(other)
+        assert other.building is not None
+        with store._mutex:
+            store._builds.clear()  # the builder goes away: nobody renews its lease
+        time.sleep(0.5)
+        store.refresh(other)
+        assert other.building is None and other.state is None and other.no_state == GONE
+        assert store.attach(s, 2, None, "late")[1].startswith("a later turn moved on")
+    finally:
+        store.close()
+
+
 def test_another_tenants_key_gets_404_on_every_process(cluster):
     a, b, _, llama, _ = cluster
     conv = started(a.url, llama)
@@ -121,7 +155,7 @@ def test_another_tenants_key_gets_404_on_every_process(cluster):
         r = turn(url, llama, QUESTION, conv, key="k-globex")
         assert r.status_code == 404 and r.json()["error"]["message"] == unknown.replace("conv-" + "x" * 24, conv)
     owner = turn(b.url, llama, [{"role": "user", "content": "More?"}], conv)
-    assert owner.status_code == 200 and owner.json()["ctxrelay"]["turn"] == 2  # B sees it, for its tenant
+    assert owner.status_code == 200 and owner.json()["ctxrelay"]["turn"] == 2, owner.text  # B sees it, for its tenant
 
 
 def test_a_turn_lock_held_elsewhere_answers_409_until_it_expires(cluster):
@@ -197,6 +231,7 @@ def test_a_conversation_moves_between_processes_and_models_and_outlives_a_killed
     history += [reply(second), {"role": "user", "content": "Shorter."}]
     third = ca.chat.completions.create(model=qwen, messages=history, max_tokens=8, extra_body={"conversation": conv})
     assert third.ctxrelay["transport"] == "self" and third.ctxrelay["turn"] == 3, third.ctxrelay["reason"]
+    built(r, conv)  # A stored the state its turn left (after the reply): a kill after that loses nothing
     assert a.stop(signal.SIGKILL) == -signal.SIGKILL
     # turn 4 on B: A is gone, what it saved is not; B extends the state A left by the new turn
     fourth = cb.chat.completions.create(
@@ -204,7 +239,7 @@ def test_a_conversation_moves_between_processes_and_models_and_outlives_a_killed
     )
     r4 = fourth.ctxrelay
     assert r4["transport"] == "self" and r4["relayed_from"] == qwen and r4["turn"] == 4, r4["reason"]
-    assert r4["capture_extended_from"] > 0
+    assert r4["state_made"] == "extended" and r4["next_state"] == "extend"  # A extended its state; B extends A's
     record = json.loads(r.get(f"ctxrelay:conv:acme:{conv}"))
     assert record["messages"] == [*history, reply(third), {"role": "user", "content": "Again."}, reply(fourth)]
     assert record["turns"] == 4 and record["model"] == qwen

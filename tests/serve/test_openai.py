@@ -76,8 +76,9 @@ def test_a_conversation_moves_to_another_model_through_the_gate(server):
     ))  # fmt: skip
     r3 = chunks[-1].ctxrelay
     assert r3["transport"] == "self" and r3["relayed_from"] == qwen and r3["turn"] == 3
-    # after a move the new model prefills the transcript; staying, it extends its own state
-    assert r["capture_extended_from"] is None and r3["capture_extended_from"] > 0
+    # after a move the new model prefills the transcript; staying, it extends its own state (after the reply)
+    assert r["next_state"] == "prefill" and r3["next_state"] == "extend" and r3["state_made"] == "prefilled"
+    assert r3["next_state_build"] == "background" and r3["state_build_s"] > 0
 
 
 def test_requests_without_a_valid_key_get_401(server):

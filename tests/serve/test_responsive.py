@@ -126,7 +126,8 @@ def test_healthz_metrics_and_429_answer_while_compute_is_held_and_100_wait(pool)
                 t = time.perf_counter()
                 r = httpx.get(url + path, timeout=5)
                 assert r.status_code == 200 and time.perf_counter() - t < 1.0, path
-            assert httpx.get(url + "/healthz").json()["queue"] == {"depth": 100, "max": 100, "computing": True}
+            queue = httpx.get(url + "/healthz").json()["queue"]
+            assert queue == {"depth": 100, "max": 100, "computing": True, "state_builds": 0}
             t = time.perf_counter()
             full = chat(url, model, timeout=5)
             assert full.status_code == 429 and time.perf_counter() - t < 1.0

@@ -48,6 +48,7 @@ def test_one_turn_at_a_time_per_conversation(client):
     conv = first["ctxrelay"]
     session = c.app.state.sessions.open(conv["conversation"], "acme")
     reply = {"role": "assistant", "content": first["choices"][0]["message"]["content"]}
+    c.app.state.engine.states.settle(session, None)  # built after the reply: wait as the next turn would
     # what the next turn relays: the serving model's state of the messages' content, its reply included
     assert session.state.text == transcript([*chat["messages"], reply]) and session.model == chat["model"]
     with session.busy:  # a turn of it is running

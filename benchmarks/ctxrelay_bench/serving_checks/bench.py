@@ -13,6 +13,8 @@ drives it with real HTTP clients (httpx; the official openai client for the refu
   drain (`drained_s`: every turn cancelled, the running one at its next token).
 - `overwindow_stream_status`: a streamed chat whose prompt is over the model's window: the HTTP status
   (400 passes) and that no event was streamed.
+- `first_turn_end_ratio` (first_turn.py): a 4096-token first turn's reply end leaving its state against the
+  same turn with `store: false`, medians of `repeats`; passes at 1.10 or less.
 
 The server runs with this process's torch threads; the clients mostly wait on sockets.
 """
@@ -31,10 +33,12 @@ from ctxrelay.results import write_results
 from ctxrelay.transports.base import keys_from
 from ctxrelay_bench.harness import serve_process, stop_process
 from ctxrelay_bench.runs import bench_options, wait_until_quiet
+from ctxrelay_bench.serving_checks.first_turn import end_ratio_check
 
 OPTIONS = {"port": 8393, "max_queue": 128, "waiting": 100, "long_tokens": 1024, "read_events": 8,
            "healthz_samples": 20, "start_s": 300.0, "overwindow_words": 12000, "quiet_busy": 0.25,
-           "quiet_wait_s": 600.0}  # fmt: skip
+           "quiet_wait_s": 600.0, "first_turn_tokens": 4096, "first_turn_max_tokens": 16,
+           "end_ratio_max": 1.10}  # fmt: skip
 TUNING_KEYS = keys_from(
     OPTIONS,
     {
@@ -48,6 +52,9 @@ TUNING_KEYS = keys_from(
         "overwindow_words": "words of the over-window prompt",
         "quiet_busy": "busy share of the cores under which the machine counts as quiet",
         "quiet_wait_s": "seconds to wait for a quiet machine before the checks (its busy share is recorded)",
+        "first_turn_tokens": "prompt tokens of the first turn timed by first_turn_end_ratio",
+        "first_turn_max_tokens": "max_tokens of that turn",
+        "end_ratio_max": "the largest first_turn_end_ratio that passes",
     },
 )
 KEY = "serving-checks-key"
@@ -207,6 +214,7 @@ def bench(
             lambda: disconnect_check(url, model, opts, max(1, repeats)),
             lambda: healthz_check(url, model, opts),
             lambda: overwindow_check(url, model, opts),
+            lambda: end_ratio_check(url, model, AUTH, opts, max(1, repeats)),
         ):
             row, detail = check()
             rows.append({"engine": "native", "transport": "native", "model": model, **row})

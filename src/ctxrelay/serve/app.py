@@ -32,6 +32,7 @@ from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.health import Health, down
 from ctxrelay.serve.metrics import CountedStore, Metrics
 from ctxrelay.serve.openai_api import Limits, router
+from ctxrelay.serve.sessions import Conversations
 from ctxrelay.serve.shared_sessions import open_sessions
 from ctxrelay.serve.tokenize_api import router as tokenize_router
 from ctxrelay.serve.turns import in_thread
@@ -79,11 +80,11 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
     metrics = Metrics()
     inner = pool.store.inner if isinstance(pool.store, CountedStore) else pool.store
     pool.store = CountedStore(inner, metrics)  # the server owns its pool: count what it stores
-    engine = _engine(pool, metrics, settings)
     sessions = open_sessions(
         settings.sessions, pool.store, max_sessions=settings.max_sessions, max_state_bytes=settings.max_state_bytes,
         lock_ttl_s=settings.session_lock_ttl_s,
     )  # fmt: skip
+    engine = _engine(pool, metrics, settings, sessions)
     auth = Auth(settings.keys)
     tenant_of = Depends(auth)
     app.state.engine, app.state.sessions = engine, sessions
@@ -101,7 +102,8 @@ def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
         body = {
             "ok": not out, "status": "degraded" if out else "ok", "down": out, "models": list(pool.models),
             "conversations": sessions.kind, "dependencies": deps, "engine": engine.kind,
-            "queue": {"depth": engine.depth, "max": engine.max_queue, "computing": engine.compute.held},
+            "queue": {"depth": engine.depth, "max": engine.max_queue, "computing": engine.compute.held,
+                      "state_builds": engine.states.pending},  # conversations' states built after replies
         }  # fmt: skip
         return JSONResponse(body, status_code=503 if out else 200)
 
@@ -168,8 +170,8 @@ async def _closes_engine(app: FastAPI):
     app.state.engine.close()  # the engines a server started end with it
 
 
-def _engine(pool: ModelPool, metrics: Metrics, settings: Settings) -> Engine:
-    kw = dict(max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s)
+def _engine(pool: ModelPool, metrics: Metrics, settings: Settings, sessions: Conversations) -> Engine:
+    kw = dict(max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s, sessions=sessions)
     if settings.engine == "native":
         return Engine(pool, metrics, **kw)
     if settings.engine != "vllm":

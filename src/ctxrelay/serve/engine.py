@@ -11,7 +11,8 @@ the prompt tokenized and checked against the model's window, 400 otherwise), so 
 request never waits for compute and a stream is refused before its first event. A turn given a
 `Cancel` (compute.py) stops when it is set: while it waits for the lock, or at its next decoded
 token; the conversation is updated only after the decode returns, so a cancelled turn leaves it
-as it was.
+as it was. The state a turn leaves for the next is built after its reply ends, off the request
+path (state_builder.py); the next turn of the conversation waits for it before it queues.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from ctxrelay.serve.chat import prompt_ids, render, transcript
 from ctxrelay.serve.compute import Cancel, ComputeLock
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import Metrics
-from ctxrelay.serve.sessions import Session
+from ctxrelay.serve.sessions import Conversations, Session, SessionStore
+from ctxrelay.serve.state_builder import StateBuilder
 
 OnToken = Callable[[int], None] | None
 
@@ -67,10 +69,16 @@ class Engine:
 
     kind = "native"
 
-    def __init__(self, pool: ModelPool, metrics: Metrics, *, max_queue: int = 32, request_timeout_s: float = 300.0):
+    def __init__(
+        self, pool: ModelPool, metrics: Metrics, *, max_queue: int = 32, request_timeout_s: float = 300.0,
+        sessions: Conversations | None = None,
+    ):  # fmt: skip
         self.pool, self.metrics = pool, metrics
         self.max_queue, self.request_timeout_s = max_queue, request_timeout_s
         self.compute = ComputeLock()
+        # the states turns leave, built after their replies; the conversation store names them
+        sessions = sessions if sessions is not None else SessionStore()  # an empty store is falsy (__len__)
+        self.states = StateBuilder(pool, self.computing, sessions, metrics, request_timeout_s)
         self._admit = threading.Lock()
         self._depth = 0
         self._service_s = 1.0  # running mean of a turn's compute time, for Retry-After
@@ -81,7 +89,8 @@ class Engine:
         return self._depth
 
     def close(self) -> None:
-        """Stop what the engine started (nothing here: the runner lives in this process)."""
+        """Stop what the engine started: the state builds (the runner lives in this process)."""
+        self.states.close()
 
     def model_or_404(self, name: str) -> str:
         if name not in self.pool.models:
@@ -162,15 +171,16 @@ class Engine:
     def chat(
         self, tenant: str, p: Prompt, session: Session | None, *, max_tokens: int, temperature: float,
         transport: str = "auto", on_token: OnToken = None, cancel: Cancel | None = None,
-        sampling: Sampling | None = None,
+        sampling: Sampling | None = None, store: bool = True,
     ) -> Served:  # fmt: skip
         """One chat turn, planned by plan_chat. With a session, the conversation so far is relayed from
-        the state the previous turn's model left and only the new turn (in `model`'s template) is prefilled."""
+        the state the previous turn's model left and only the new turn (in `model`'s template) is prefilled;
+        the state this turn leaves is built after its reply (`leave`; none with `store` false)."""
         model, history = p.model, p.history
         gen = dict(max_new_tokens=max_tokens, temperature=temperature, on_token=cancellable(on_token, cancel),
                    sampling=sampling)  # fmt: skip
+        settled = self.states.settle(session, cancel) if session else {}  # before the lock: the build needs it
         relay = session is not None and session.state is not None
-        relayed_from = session.model if session else None
         with self.computing(cancel) as waited:
             if relay:
                 res = self.pool.continue_from(session.state, model, p.suffix, tenant=tenant, transport=transport, **gen)
@@ -182,38 +192,32 @@ class Engine:
                 res.reason = res.decision["reason"] = (
                     "first turn of the conversation: nothing to relay" if session else "no conversation: stateless"
                 )
-            capture_s = self._leave_state(session, model, tenant, [*history, *p.new], res.text) if session else 0.0
         n_suffix = p.suffix_tokens  # a separate suffix only after a context
-        report = self._report(res, model, waited, capture_s)
+        report = self._report(res, model, waited)
         # what this turn prefilled natively: only the new turn when the history was relayed
         report["prefilled_tokens"] = n_suffix if res.transport != "native" else res.context_tokens + n_suffix
-        if session is not None:
-            report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
-            # None: a full prefill (or no state: the conversation outgrew the window)
-            report["capture_extended_from"] = session.state.meta.get("extended_from") if session.state else None
+        self.leave(session, p, tenant, res.text, store, settled, report)
         return Served(res, report, self.prompt_tokens(p))
+
+    def leave(
+        self, session: Session | None, p: Prompt, tenant: str, reply: str, store: bool, settled: dict, report: dict
+    ) -> None:
+        """After the turn (the compute lock released): the conversation takes the turn and its state is built
+        in the background (state_builder.py); the report says how that state is made and what this turn read."""
+        if session is None:
+            report.update(next_state="none", next_state_build=None)
+            return
+        relayed_from = session.model
+        how = self.states.leave(session, p.model, tenant, [*p.history, *p.new], reply, store)
+        report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from, **settled)
+        # "extend" | "prefill" (built after this reply ends, off the request path) | "none"
+        report.update(next_state=how, next_state_build="background" if how != "none" else None)
 
     def prompt_tokens(self, p: Prompt) -> int:
         """`usage.prompt_tokens`: the receiver's own chat template over the whole conversation, whatever this
         turn read (a relayed turn reads the history in transcript form)."""
         m = self.pool.models[p.model]
         return len(prompt_ids(m, [*p.history, *p.new])) if p.new else len(context_ids(m, p.text))
-
-    def _leave_state(self, session: Session, model: str, tenant: str, messages: list[dict], reply: str) -> float:
-        """After the reply: the serving model's state of the whole transcript, reply included, which the
-        next turn relays from (off the TTFT path; returns its time). A model that also served the
-        previous turn extends its own state by the new turn and reply; another one prefills the
-        transcript (a relayed cache is approximate, so it never becomes a state)."""
-        t = time.perf_counter()
-        turn = [*messages, {"role": "assistant", "content": reply}]
-        own = session.state if session.model == model else None  # the same model reads only what was added
-        try:
-            session.state = self.pool.prefill(model, transcript(turn), tenant, store=False, extend=own)
-        except UsageError:  # the conversation outgrew the model's window: this reply stands, the next turn is refused
-            session.state = None
-        session.model, session.messages = model, turn
-        session.turns += 1
-        return time.perf_counter() - t
 
     def complete(
         self, p: Prompt, *, max_tokens: int, temperature: float, on_token: OnToken = None, cancel: Cancel | None = None,
@@ -226,14 +230,14 @@ class Engine:
             res = self.pool.native(model, p.text, "", max_new_tokens=max_tokens, temperature=temperature,
                                    on_token=cancellable(on_token, cancel), sampling=sampling)  # fmt: skip
         res.reason = res.decision["reason"] = "completion: stateless prompt"
-        return Served(res, self._report(res, model, waited, 0.0), res.context_tokens)
+        return Served(res, self._report(res, model, waited), res.context_tokens)
 
-    def _report(self, res: RelayResult, model: str, waited: float, capture_s: float) -> dict:
+    def _report(self, res: RelayResult, model: str, waited: float) -> dict:
         self.metrics.observe_turn(model, res.transport, res.reason, res.ttft_s)
         return {
             "model": model, "transport": res.transport, "reason": res.reason, "ttft_s": res.ttft_s,
             "total_s": res.total_s, "timings": res.timings, "context_tokens": res.context_tokens,
-            "queue_wait_s": waited, "capture_s": capture_s, "decision": res.decision,
+            "queue_wait_s": waited, "decision": res.decision,
         }  # fmt: skip
 
 

@@ -5,10 +5,11 @@ implement, so that ignoring them would return something the client did not ask f
 calling, a response format other than text, audio, web search, `n`/`best_of` above 1, `echo`, `suffix`,
 and vLLM's own sampling extras not implemented here. Each is refused only where its value asks for
 something (a default value, e.g. `tool_choice: "none"` or `response_format: {"type": "text"}`, passes).
-Ignored because they cannot change the answer: `user`, `metadata`, `service_tier`, `store`,
+Ignored because they cannot change the answer: `user`, `metadata`, `service_tier`,
 `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls` (no tools), `prediction` (a predicted
 output only speeds OpenAI's decode up), `reasoning_effort` and `verbosity` (no served model reasons; vLLM
-accepts them for such models too), and any other vendor field.
+accepts them for such models too), and any other vendor field. `store` is read by openai_api.py (a chat
+turn with `store: false` leaves no state).
 """
 
 from __future__ import annotations

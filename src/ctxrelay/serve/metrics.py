@@ -56,6 +56,15 @@ class Metrics:
         self.store_reads = Counter("ctxrelay_store_reads_total", "State store reads", ["result"], registry=r)
         self.store_bytes = Counter("ctxrelay_store_written_bytes_total", "Bytes of states stored", registry=r)
         self.state_bytes = Gauge("ctxrelay_conversation_state_bytes", "Bytes of conversation states", registry=r)
+        # the states turns leave for their next turns, built after the replies (state_builder.py)
+        self.state_builds = Gauge("ctxrelay_state_builds_pending", "Conversation states being built", registry=r)
+        self.state_build_s = Histogram(
+            "ctxrelay_state_build_seconds", "A conversation state's build (compute only), after the reply",
+            ["made"], buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.state_build_failures = Counter(
+            "ctxrelay_state_build_failures_total", "Conversation states not built (the next turn prefills)", registry=r
+        )
 
     def observe_turn(self, receiver: str, transport: str, reason: str, ttft_s: float) -> None:
         self.ttft.labels(transport, receiver).observe(ttft_s)

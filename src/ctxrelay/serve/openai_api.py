@@ -2,7 +2,8 @@
 
 What ctxrelay adds rides in fields the openai client passes through (`extra_body=`):
 `conversation` ("new" starts one; its id continues it; or the X-Conversation-Id header) and
-`transport` ("auto" by default, or a transport name, or "native"). Each response carries a
+`transport` ("auto" by default, or a transport name, or "native"); OpenAI's `store: false` opts a
+chat turn out of leaving a state for a next turn. Each response carries a
 `ctxrelay` field (transport, reason, TTFT and its components, the conversation id) and the
 X-Ctxrelay-* headers; a stream sends the `ctxrelay` field in its last chunk, since its headers
 leave before the turn runs. Temperature defaults to 0 (greedy). The sampling fields, logprobs and
@@ -72,6 +73,7 @@ class ChatRequest(_Generate):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     conversation: str | None = None  # ctxrelay: "new", or an id this server issued
+    store: bool = True  # false: the turn leaves no state for a next turn (nothing is built after the reply)
 
 
 class CompletionRequest(_Generate):
@@ -143,11 +145,9 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
 
         def work(prompt: Prompt, on_token, cancel) -> Served:
             opts = dict(max_tokens=max_tokens, temperature=sampling.temperature, transport=req.transport,
-                        sampling=sampling)  # fmt: skip
-            served = engine.chat(tenant, prompt, held.session, on_token=on_token, cancel=cancel, **opts)
-            if held.session is not None:
-                sessions.save(held.session)  # before the reply leaves: the next turn may go to another process
-            return served
+                        sampling=sampling, store=req.store)  # fmt: skip
+            # the engine saves the conversation before the reply leaves (the next turn may go to another process)
+            return engine.chat(tenant, prompt, held.session, on_token=on_token, cancel=cancel, **opts)
 
         turn = Turn(prepare, work, held.release, engine.metrics)
         if req.stream:

@@ -10,7 +10,8 @@ while a turn is running): the next turn needs the state this one leaves.
 
 `SessionStore` keeps conversations in this process (the default); `RedisSessionStore`
 (shared_sessions.py) keeps them in Redis so several server processes serve one conversation. Both
-answer the same calls, in this order per turn: `open` (404), `hold` (409), the turn, `save`, `release`.
+answer the same calls, in this order per turn: `open` (404), `hold` (409), the turn, `save`, `release`;
+the state the turn leaves is built after its reply (state_builder.py) and named by `attach`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ctxrelay.state import ContextState
 
 NEW = "new"
 DROPPED = "the conversation's state was dropped (state memory budget)"
+Built = tuple[ContextState | None, str]  # a built state as the conversation store holds it (None: why not)
 
 
 def unknown(conversation: str) -> ApiError:
@@ -55,6 +57,7 @@ class Session:
     state: ContextState | None = None  # that model's state of transcript(messages)
     turns: int = 0
     no_state: str = DROPPED  # why a conversation with messages has no state (its next turn is native)
+    building: float | None = None  # when the last turn's state build began (unix s); None: not pending
     busy: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def new_messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -73,6 +76,8 @@ class Conversations(Protocol):
     def hold(self, s: Session) -> None: ...
     def save(self, s: Session) -> None: ...
     def release(self, s: Session) -> None: ...
+    def attach(self, s: Session, turn: int, state: ContextState | None, why: str) -> Built: ...
+    def refresh(self, s: Session) -> None: ...
     def trim(self) -> int: ...
     def __len__(self) -> int: ...
 
@@ -121,6 +126,21 @@ class SessionStore:
                 self._by_id.pop(s.id, None)
         s.busy.release()
 
+    def attach(self, s: Session, turn: int, state: ContextState | None, why: str) -> Built:
+        """The state built after turn `turn` (None: `why` not): the session holds it unless a later turn
+        moved on (one that stopped waiting for it); the memory budget applies at once. Returns what is held."""
+        with self._lock:
+            if s.turns != turn:
+                return None, "a later turn moved on before the state was built"
+            s.state, s.building = state, None
+            if state is None:
+                s.no_state = why
+        self.trim()
+        return s.state, s.no_state
+
+    def refresh(self, s: Session) -> None:
+        """Nothing to read again: a build in this process updates the session object itself."""
+
     def trim(self) -> int:
         """Drop the states of the least recently used conversations until the held states fit the
         byte budget; returns the bytes still held."""
@@ -130,5 +150,5 @@ class SessionStore:
             for s, n in held:  # oldest first
                 if total <= self.max_state_bytes:
                     break
-                s.state, total = None, total - n
+                s.state, s.no_state, total = None, DROPPED, total - n
             return total

@@ -6,7 +6,8 @@ data, keyed so that other engines can read them (no Python objects):
 
 - `ctxrelay:conv:<tenant>:<id>`: the record, JSON `{"version": 1, "id", "tenant", "messages":
   [{"role", "content"}, ...], "model" (the one that served the last turn), "state": {"tenant",
-  "content_hash", "model_hash"} (the state it left), "turns", "updated" (unix seconds)}`;
+  "content_hash", "model_hash"} (the state it left), "turns", "updated" (unix seconds), "building" (unix
+  seconds: the state is being built since, after the reply; state_builder.py), "no_state" (why none)}`;
 - the state itself lives in the pool's state store (its Redis tier: `ctxrelay:state:<tenant>:
   <content hash>:<weights hash>`, safetensors bytes with a JSON manifest), so the next process
   reads it through the store's tenant and binding checks;
@@ -14,13 +15,18 @@ data, keyed so that other engines can read them (no Python objects):
   renewed while the turn runs and released by compare-and-delete: two processes never run one
   conversation's turn at once (409, as within one process), and a killed process holds it for at
   most `lock_ttl_s`;
+- `ctxrelay:conv-build:<tenant>:<id>`: the lease of the process building the state the last turn left,
+  renewed as the turn lock is and ended once the record names the state: a record still `building` without
+  it was left by a process that went away, and the next turn prefills rather than waits;
 - `ctxrelay:conv-lru`: record keys by last use; past `max_sessions` the least recently used
   conversations go (their id then answers 404 like any unknown one);
 - `ctxrelay:conv-state-refs`: how many records name each state (conversations with the same
   transcript on the same model share one); a state goes when no record names it any more.
 
 The record is read again once the lock is taken (another process may have served a turn since
-`open`), and `save` writes it only while the lock is still this turn's (one Lua script).
+`open`), and `save` writes it only while the lock is still this turn's (one Lua script). The state a
+turn leaves is built after its reply and named in the record by `attach` once it is stored whole; a
+next turn on another process reads the record again until it is (`refresh`).
 
 Redis unavailable mid-request: reading the record or taking the lock answers 503 (the transcript
 and its owner are there; without them the turn could neither be checked nor saved); a state that
@@ -42,26 +48,35 @@ from ctxrelay.errors import UsageError
 from ctxrelay.relay.store import RedisStore, StateKey, StateStore, StoreUnavailable, TieredStore
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import CountedStore
-from ctxrelay.serve.sessions import NEW, Conversations, Session, SessionStore, busy, new_id, unknown
+from ctxrelay.serve.sessions import DROPPED, NEW, Built, Conversations, Session, SessionStore, busy, new_id, unknown
+from ctxrelay.state import ContextState
 
 log = logging.getLogger("ctxrelay.serve")
 
 VERSION = 1
+GONE = "the process building the conversation's state went away before it was stored"
 _ID = re.compile(r"conv-[A-Za-z0-9_-]{1,64}")  # what new_id issues; anything else is unknown
 
 # only the holder of the lock's token extends it, releases it or writes what it guards
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _UNLOCK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 # the save: the record and its last use, and the states' reference counts (ARGV[4] the state it
-# names now, ARGV[5] the one it named; '' for none): -1 lock lost, 1 the old state is unreferenced
+# names now, '' for none; the one it named is read from the stored record, which a background build may
+# have named after this turn began): -1 lock lost, the old state's ref where nothing names it any more, else 0
 _SAVE = """if redis.call('get', KEYS[1]) ~= ARGV[1] then return -1 end
+local old = ''
+local raw = redis.call('get', KEYS[2])
+if raw then
+  local st = cjson.decode(raw)['state']
+  if type(st) == 'table' then old = st['tenant'] .. ':' .. st['content_hash'] .. ':' .. st['model_hash'] end
+end
 redis.call('set', KEYS[2], ARGV[2])
 redis.call('zadd', KEYS[3], ARGV[3], KEYS[2])
-if ARGV[4] == ARGV[5] then return 0 end
+if ARGV[4] == old then return 0 end
 if ARGV[4] ~= '' then redis.call('hincrby', KEYS[4], ARGV[4], 1) end
-if ARGV[5] ~= '' and redis.call('hincrby', KEYS[4], ARGV[5], -1) <= 0 then
-  redis.call('hdel', KEYS[4], ARGV[5])
-  return 1
+if old ~= '' and redis.call('hincrby', KEYS[4], old, -1) <= 0 then
+  redis.call('hdel', KEYS[4], old)
+  return old
 end
 return 0"""
 _UNREF = """if redis.call('hincrby', KEYS[1], ARGV[1], -1) > 0 then return 0 end
@@ -72,7 +87,6 @@ return 1"""
 @dataclass
 class _Turn:
     token: str  # this turn's lock token
-    state: StateKey | None  # the state the conversation had when the turn began
 
 
 class RedisSessionStore:
@@ -90,6 +104,7 @@ class RedisSessionStore:
         scripts = (_RENEW, _UNLOCK, _SAVE, _UNREF)
         self._renew, self._unlock, self._save, self._unref = (client.register_script(s) for s in scripts)
         self._turns: dict[str, _Turn] = {}  # lock key -> the turn this process runs under it
+        self._builds: dict[str, str] = {}  # build lease key -> its token, for the states this process builds
         self._mutex = threading.Lock()
         self._closed = threading.Event()
         threading.Thread(target=self._keep_locks, name="ctxrelay-session-locks", daemon=True).start()
@@ -101,6 +116,11 @@ class RedisSessionStore:
 
     def lock_key(self, tenant: str, conversation: str) -> str:
         return f"{self.prefix}:conv-lock:{tenant}:{conversation}"
+
+    def build_key(self, tenant: str, conversation: str) -> str:
+        """The lease of the process building a conversation's state (renewed as the turn lock is): without
+        it a record that says `building` was left by a process that went away, and nobody waits for it."""
+        return f"{self.prefix}:conv-build:{tenant}:{conversation}"
 
     @property
     def lru_key(self) -> str:
@@ -136,11 +156,10 @@ class RedisSessionStore:
         if not self._call("lock the conversation", self.client.set, lock, token, nx=True, px=self.lock_ms):
             raise busy(s.id)
         with self._mutex:
-            self._turns[lock] = turn = _Turn(token, None)
+            self._turns[lock] = _Turn(token)
         try:
             if s.turns:  # a conversation that has a record: what the last turn, on any process, saved
-                turn.state = self._load_record(s)
-                self._load_state(s, turn.state)
+                self._load_state(s, self._load_record(s))
         except BaseException:
             self.release(s)
             raise
@@ -159,19 +178,21 @@ class RedisSessionStore:
             "version": VERSION, "id": s.id, "tenant": s.tenant, "messages": s.messages, "model": s.model,
             "state": None if key is None else {"tenant": key.tenant, "content_hash": key.content_hash,
                                                "model_hash": key.model_hash},
-            "turns": s.turns, "updated": time.time(),
+            "turns": s.turns, "updated": time.time(), "building": s.building,
+            "no_state": None if key is not None or s.building is not None else s.no_state,
         }  # fmt: skip
+        if s.building is not None:  # before the record says so: a reader never sees `building` without a lease
+            self._lease(self.build_key(s.tenant, s.id), turn.token)
         keys = [lock, self.record_key(s.tenant, s.id), self.lru_key, self.refs_key]
-        args = [turn.token, json.dumps(record), record["updated"], _ref(key), _ref(turn.state)]
+        args = [turn.token, json.dumps(record), record["updated"], _ref(key)]
         done = self._call("save the conversation (this turn was not saved)", self._save, keys=keys, args=args)
         if done == -1:
             self._forget_unnamed(key)
             ttl = self.lock_ms / 1000
             why = f"conversation {s.id} lost its turn lock (not renewed within {ttl:g} s); this turn was not saved"
             raise ApiError(409, why + ", send it again")
-        if done == 1:
-            self._forget_state(turn.state)  # no conversation names it any more
-        turn.state = key
+        if isinstance(done, bytes):
+            self._forget_state(_key(done.decode()))  # no conversation names it any more
         self._bound()
 
     def release(self, s: Session) -> None:
@@ -187,6 +208,56 @@ class RedisSessionStore:
             self._unlock(keys=[lock], args=[turn.token])
         except self._errors as e:
             log.warning("conversation %s: lock not released (%s); it expires in %g s", s.id, e, self.lock_ms / 1000)
+
+    def attach(self, s: Session, turn: int, state: ContextState | None, why: str) -> Built:
+        """The state built after turn `turn` was saved (None: `why` not): stored whole first, then named in the
+        record, which must still be that turn's (a later turn that stopped waiting for it has moved on;
+        WATCH makes the check and the write one step). Other processes read it only once it is named."""
+        lease = self.build_key(s.tenant, s.id)
+        try:
+            return self._attach(s, turn, state, why)
+        finally:
+            with self._mutex:
+                token = self._builds.pop(lease, None)
+            if token is not None:
+                try:
+                    self._unlock(keys=[lease], args=[token])
+                except self._errors as e:
+                    log.warning("conversation %s: build lease not released (%s); it expires by itself", s.id, e)
+
+    def _attach(self, s: Session, turn: int, state: ContextState | None, why: str) -> Built:
+        key = self.states.put(state) if state is not None else None  # StoreUnavailable: the build failed
+        rk = self.record_key(s.tenant, s.id)
+
+        def name(pipe) -> bool:
+            raw = pipe.get(rk)
+            rec = json.loads(raw) if raw else None
+            if rec is None or rec.get("turns") != turn or rec.get("building") is None:
+                return False
+            rec.update(building=None, no_state=why or None, state=None if key is None else {
+                "tenant": key.tenant, "content_hash": key.content_hash, "model_hash": key.model_hash})  # fmt: skip
+            pipe.multi()
+            pipe.set(rk, json.dumps(rec))
+            if key is not None:
+                pipe.hincrby(self.refs_key, _ref(key), 1)
+            return True
+
+        if not self.client.transaction(name, rk, value_from_callable=True):
+            self._forget_unnamed(key)
+            return None, "a later turn moved on before the state was built"
+        return state, why
+
+    def refresh(self, s: Session) -> None:
+        """Read the record again while another process builds its state: `s.building`, and the state once named
+        (the turn lock is held, so only the state's fields can have changed)."""
+        key = self._load_record(s)
+        if s.building is not None and not self._call("read the build lease", self.client.exists,
+                                                     self.build_key(s.tenant, s.id)):  # fmt: skip
+            key = self._load_record(s)  # named in between (attach names it, then ends the lease)?
+            if s.building is not None:
+                s.building, s.no_state = None, GONE
+        if s.building is None:
+            self._load_state(s, key)
 
     def trim(self) -> int:
         """States held by this process between turns: none (Redis bounds its own memory)."""
@@ -218,6 +289,9 @@ class RedisSessionStore:
             if rec["tenant"] != s.tenant or rec["id"] != s.id:
                 raise unknown(s.id)
             s.messages, s.model, s.turns = list(rec["messages"]), rec["model"], int(rec["turns"])
+            s.building = rec.get("building")  # a state being built (by some process) since then
+            if rec.get("no_state"):
+                s.no_state = rec["no_state"]
             st = rec["state"]
             # the key is rebuilt with the reader's tenant: a record can never name another tenant's state
             return None if st is None else StateKey(s.tenant, str(st["content_hash"]), str(st["model_hash"]))
@@ -227,7 +301,8 @@ class RedisSessionStore:
     def _load_state(self, s: Session, key: StateKey | None) -> None:
         s.state = None
         if key is None:
-            s.no_state = "the conversation's record names no state"
+            if s.building is None and s.no_state == DROPPED:  # the record gave no reason of its own
+                s.no_state = "the conversation's record names no state"
             return
         try:
             s.state = self.states.get(key, s.tenant)
@@ -264,11 +339,16 @@ class RedisSessionStore:
         except (*self._errors, ValueError, KeyError, TypeError) as e:
             log.warning("conversation bound not applied: %s", e)
 
+    def _lease(self, key: str, token: str) -> None:
+        self._call("take the build lease", self.client.set, key, token, px=self.lock_ms)
+        with self._mutex:
+            self._builds[key] = token
+
     def _keep_locks(self) -> None:
-        """Extend the locks of the turns this process runs, three times per lock_ttl_s."""
+        """Extend the locks of the turns and the leases of the builds this process runs, three times per lock_ttl_s."""
         while not self._closed.wait(self.lock_ms / 3000):
             with self._mutex:
-                held = [(lock, t.token) for lock, t in self._turns.items()]
+                held = [(lock, t.token) for lock, t in self._turns.items()] + list(self._builds.items())
             for lock, token in held:
                 try:
                     self._renew(keys=[lock], args=[token, self.lock_ms])
@@ -278,6 +358,11 @@ class RedisSessionStore:
 
 def _ref(key: StateKey | None) -> str:
     return "" if key is None else f"{key.tenant}:{key.content_hash}:{key.model_hash}"
+
+
+def _key(ref: str) -> StateKey:
+    tenant, content_hash, model_hash = ref.rsplit(":", 2)
+    return StateKey(tenant, content_hash, model_hash)
 
 
 def redis_tier(store: StateStore) -> RedisStore | None:

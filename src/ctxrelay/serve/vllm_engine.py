@@ -84,6 +84,7 @@ class VllmEngine(Engine):
         return engine
 
     def close(self) -> None:
+        super().close()  # the state builds first: they may hold the compute lock
         for s in self.servers.values():
             s.stop()
         self._http.close()
@@ -94,13 +95,14 @@ class VllmEngine(Engine):
     def chat(
         self, tenant: str, p: Prompt, session: Session | None, *, max_tokens: int, temperature: float,
         transport: str = "auto", on_token: OnToken = None, cancel: Cancel | None = None,
-        sampling: Sampling | None = None,
+        sampling: Sampling | None = None, store: bool = True,
     ) -> Served:  # fmt: skip
         """One chat turn, planned by plan_chat (the window checked there): relayed through the connector
-        where the gate says so, the engine prefilling the rest and decoding."""
+        where the gate says so, the engine prefilling the rest and decoding; the state it leaves is built
+        on ctxrelay's runner after the reply (Engine.leave)."""
         model, m = p.model, self.pool.models[p.model]
+        settled = self.states.settle(session, cancel) if session else {}
         t0 = time.perf_counter()
-        relayed_from = session.model if session else None
         waited, kv, prep = 0.0, None, None
         if session is not None and session.state is not None:
             with self.computing(cancel) as waited:
@@ -121,14 +123,11 @@ class VllmEngine(Engine):
             model, ids, tenant, t0, max_tokens, temperature, cancellable(on_token, cancel), kv, prep, reason,
             len(ctx), sampling=sampling,
         )  # fmt: skip
-        capture_s = self._leave_state(session, model, tenant, [*p.history, *p.new], res.text) if session else 0.0
-        report = self._report(res, model, waited, capture_s)
+        report = self._report(res, model, waited)
         report["prefilled_tokens"] = len(ids) - (kv[1] if kv is not None else 0)  # the engine's own prefill
         report["engine"] = self.engine_facts(model)
         report["engine_cached_tokens"] = res.info["engine_cached_tokens"]  # served by its prefix cache
-        if session is not None:
-            report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from)
-            report["capture_extended_from"] = session.state.meta.get("extended_from") if session.state else None
+        self.leave(session, p, tenant, res.text, store, settled, report)
         return Served(res, report, self.prompt_tokens(p))
 
     def complete(
@@ -140,7 +139,7 @@ class VllmEngine(Engine):
             p.model, ids, "", time.perf_counter(), max_tokens, temperature, cancellable(on_token, cancel), None,
             None, "completion: stateless prompt", len(ids), sampling=sampling,
         )  # fmt: skip
-        report = self._report(res, p.model, 0.0, 0.0)
+        report = self._report(res, p.model, 0.0)
         report["engine"] = self.engine_facts(p.model)
         report["engine_cached_tokens"] = res.info["engine_cached_tokens"]
         return Served(res, report, len(ids))

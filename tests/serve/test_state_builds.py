@@ -1,0 +1,173 @@
+"""The state a turn leaves is built after its reply (serve/state_builder.py): a stream's [DONE] never waits
+for it, the next turn reads it and answers as the synchronous path did, a failed build makes the next
+turn native with its reason, `store: false` leaves none, and the engine's close stops pending builds."""
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+from server_fixture import relay_pool, start
+
+from ctxrelay.relay import ModelPool
+from ctxrelay.relay.graph import Profile
+from ctxrelay.serve.chat import render, transcript
+from ctxrelay.serve.compute import ComputeLock
+from ctxrelay.serve.metrics import Metrics
+from ctxrelay.serve.sessions import SessionStore
+from ctxrelay.serve.state_builder import NOT_STORED, StateBuilder
+
+AUTH = {"Authorization": "Bearer k-acme"}
+FIRST = [{"role": "user", "content": "Tell me about startups and how they grow."}]
+NEXT = [{"role": "user", "content": "And companies?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_by_family):
+    pool = ModelPool([tiny_by_family["llama"]], artifact_dirs=[], profile=Profile())
+    url, stop = start(pool)
+    yield url, pool, tiny_by_family["llama"].name
+    stop()
+
+
+def post(url: str, model: str, messages: list[dict], conversation: str, **extra) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": 8, "conversation": conversation, **extra}
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def healthz_builds(url: str) -> int:
+    return httpx.get(url + "/healthz").json()["queue"]["state_builds"]
+
+
+def gated(monkeypatch, pool: ModelPool) -> tuple[threading.Event, list]:
+    """pool.prefill (the state build) waits for the returned event; its calls are listed."""
+    gate, calls, real = threading.Event(), [], pool.prefill
+
+    def prefill(*a, **kw):
+        calls.append(kw)
+        assert gate.wait(30)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pool, "prefill", prefill)
+    return gate, calls
+
+
+def test_a_streamed_first_turn_ends_before_its_state_is_built(served, monkeypatch):
+    url, pool, llama = served
+    gate, calls = gated(monkeypatch, pool)
+    body = {"model": llama, "messages": FIRST, "max_tokens": 8, "conversation": "new", "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    report = json.loads(events[-2])["ctxrelay"]
+    assert report["next_state"] == "prefill" and report["next_state_build"] == "background"
+    assert healthz_builds(url) == 1 and not gate.is_set()  # the reply ended; its state is still being built
+    gate.set()
+    reply = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1] if '"choices"' in e)
+    nxt = post(url, llama, [*FIRST, {"role": "assistant", "content": reply}, *NEXT], report["conversation"])
+    r2 = nxt["ctxrelay"]
+    assert r2["transport"] == "self" and r2["state_made"] == "prefilled" and r2["turn"] == 2, r2["reason"]
+    assert len(calls) >= 1 and healthz_builds(url) in (0, 1)  # turn 2's own build may be running
+
+
+def test_the_next_turn_answers_as_the_synchronous_path_did(served):
+    url, pool, llama = served
+    first = post(url, llama, FIRST, "new")
+    conv, reply = first["ctxrelay"]["conversation"], first["choices"][0]["message"]["content"]
+    second = post(url, llama, NEXT, conv)
+    third = post(url, llama, [{"role": "user", "content": "Shorter."}], conv)
+    r2, r3 = second["ctxrelay"], third["ctxrelay"]
+    assert r2["transport"] == "self" and r2["state_made"] == "prefilled" and r2["next_state"] == "extend"
+    assert r3["transport"] == "self" and r3["state_made"] == "extended", r3["reason"]
+    assert r3["state_build_s"] > 0 and r3["state_wait_s"] >= 0
+    # what the server did before: prefill the transcript inside the turn, then relay the next turn from it
+    m = pool.models[llama]
+    history = [*FIRST, {"role": "assistant", "content": reply}]
+    state = pool.prefill(llama, transcript(history), "acme", store=False)
+    sync = pool.continue_from(state, llama, render(m, NEXT, after_context=True), tenant="acme", max_new_tokens=8)
+    assert second["choices"][0]["message"]["content"] == sync.text
+    # and the extended state answers turn 3 as native prefill of the whole transcript does
+    history += [*NEXT, {"role": "assistant", "content": sync.text}]
+    shorter = render(m, [{"role": "user", "content": "Shorter."}], after_context=True)
+    assert third["choices"][0]["message"]["content"] == pool.native(llama, transcript(history), shorter,
+                                                                     max_new_tokens=8).text  # fmt: skip
+
+
+def test_a_failed_build_makes_the_next_turn_native_with_its_reason(served, monkeypatch):
+    url, pool, llama = served
+
+    def fails(*a, **kw):
+        raise RuntimeError("the build broke")
+
+    monkeypatch.setattr(pool, "prefill", fails)
+    conv = post(url, llama, FIRST, "new")["ctxrelay"]["conversation"]
+    r2 = post(url, llama, NEXT, conv)["ctxrelay"]
+    assert r2["transport"] == "native" and r2["turn"] == 2
+    assert "could not be built (RuntimeError: the build broke): native prefill of the transcript" in r2["reason"]
+    failures = re.search(r"^ctxrelay_state_build_failures_total (\S+)$", httpx.get(url + "/metrics").text, re.M)
+    assert float(failures.group(1)) >= 1  # turn 2's own build fails too
+
+
+def test_store_false_leaves_no_state(served, monkeypatch):
+    url, pool, llama = served
+    _, calls = gated(monkeypatch, pool)
+    first = post(url, llama, FIRST, "new", store=False)["ctxrelay"]
+    assert first["next_state"] == "none" and first["next_state_build"] is None
+    assert healthz_builds(url) == 0 and calls == []
+    r2 = post(url, llama, NEXT, first["conversation"], store=False)["ctxrelay"]
+    assert r2["transport"] == "native" and r2["reason"] == f"{NOT_STORED}: native prefill of the transcript"
+    assert calls == []
+
+
+def test_close_stops_a_build_waiting_for_compute(tiny_by_family):
+    pool = ModelPool([tiny_by_family["llama"]], artifact_dirs=[], profile=Profile())
+    lock, sessions = ComputeLock(), SessionStore()
+    lock.acquire()  # a turn computes: the build waits for it
+
+    class Computing:
+        def __init__(self, cancel):
+            self.cancel = cancel
+
+        def __enter__(self):
+            lock.acquire(cancel=self.cancel)
+
+        def __exit__(self, *exc):
+            lock.release()
+
+    builder = StateBuilder(pool, Computing, sessions, Metrics(), 60.0)
+    s = sessions.open("new", "acme")
+    name = tiny_by_family["llama"].name
+    assert builder.leave(s, name, "acme", FIRST, "a reply", store=True) == "prefill"
+    assert builder.pending == 1
+    t = time.perf_counter()
+    builder.close()
+    assert time.perf_counter() - t < 5 and builder.pending == 0
+    facts = builder.settle(s, None)
+    assert s.state is None and "could not be built (Cancelled" in s.no_state and facts["state_made"] is None
+
+
+def test_a_relayed_turn_leaves_its_own_models_prefill(tiny_by_family, tmp_path):
+    llama, qwen = tiny_by_family["llama"], tiny_by_family["qwen2"]
+    url, stop = start(relay_pool(llama, qwen, tmp_path))
+    try:
+        conv = post(url, llama.name, FIRST, "new")["ctxrelay"]["conversation"]
+        r2 = post(url, qwen.name, NEXT, conv)["ctxrelay"]
+        assert r2["relayed_from"] == llama.name and r2["next_state"] == "prefill"  # approximate: never extended
+    finally:
+        stop()
+
+
+def test_the_first_turn_end_check_times_both_kinds_of_turn(served):
+    """The serving check's mechanics on a tiny model (its ratio is a real model's number: not judged here)."""
+    from ctxrelay_bench.serving_checks.first_turn import end_ratio_check
+
+    url, _, llama = served
+    opts = {"first_turn_tokens": 256, "first_turn_max_tokens": 4, "end_ratio_max": 1.10}
+    row, detail = end_ratio_check(url, llama, AUTH, opts, 1)
+    assert row["check"] == "first_turn_end_ratio" and row["value"] > 0
+    assert detail["next_state"] == {"state": "prefill", "no_state": "none"}
+    assert abs(detail["prompt_tokens"] - 256) <= 8 and len(detail["state_built_after_end_s"]) == 1
