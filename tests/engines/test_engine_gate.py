@@ -132,3 +132,24 @@ def test_engine_process_command_and_a_clear_error_without_vllm(tmp_path, monkeyp
     monkeypatch.setenv("CTXRELAY_VLLM_PYTHON", str(tmp_path / "missing"))  # named, and not there
     with pytest.raises(UsageError, match="make vllm"):
         s.start()
+
+
+def test_the_vllm_engine_takes_every_setting_the_native_engine_takes(tiny_by_family):
+    """The server builds either engine with one set of keywords (serve/app.py): the vLLM engine (here with no
+    engine process started) accepts each of the native engine's and hands it on, conversations included."""
+    import inspect
+
+    from ctxrelay.serve.engine import Engine
+    from ctxrelay.serve.metrics import Metrics
+    from ctxrelay.serve.sessions import SessionStore
+    from ctxrelay.serve.vllm_engine import VllmEngine
+
+    native = {n for n, p in inspect.signature(Engine.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    sessions = SessionStore()
+    kw = {"max_queue": 3, "request_timeout_s": 7.0, "sessions": sessions}
+    assert set(kw) == native  # this test names every keyword the native engine has
+    engine = VllmEngine(ModelPool([tiny_by_family["llama"]], store="memory", engine=True), Metrics(), {}, **kw)
+    try:
+        assert (engine.max_queue, engine.request_timeout_s, engine.kind) == (3, 7.0, "vllm")
+    finally:
+        engine.close()

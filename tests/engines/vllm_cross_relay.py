@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
-
-import torch
 
 
 def main() -> int:
@@ -36,45 +33,26 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--results", default="", help="also write benchmarks/results/NAME.json (machine facts, ISA)")
     args = ap.parse_args()
-    from vllm import LLM, SamplingParams
-    from vllm_relay_checks import write_engine_results  # this folder: the script beside this one
+    from cross_pair import TENANT, CrossPair  # this folder: the scripts beside this one
+    from vllm import SamplingParams
+    from vllm_relay_checks import write_engine_results
 
-    from ctxrelay import paths, transports, zoo
-    from ctxrelay.artifact import Artifact
     from ctxrelay.data.datasets import essay_haystack
     from ctxrelay.data.needle import first_answer_line, make_needle_case, score_answer
-    from ctxrelay.engines.kv_payload import KVPayload
-    from ctxrelay.engines.vllm_connector import cpu_engine_env, transfer_config, transfer_params
-    from ctxrelay.models.capture import capture_state
-    from ctxrelay.models.tokens import suffix_ids, tokenize_context
+    from ctxrelay.engines.vllm_connector import transfer_params
+    from ctxrelay.models.tokens import suffix_ids
 
-    cpu_engine_env(2)
-    sender, receiver = zoo.load(args.sender), zoo.load(args.receiver)
-    heterofold = transports.get("heterofold")
-    art = Artifact.load(paths.find_artifact("heterofold", args.sender, args.receiver))
-    tenant = "acme"
-    work = Path(tempfile.mkdtemp(prefix="ctxrelay-cross-"))
+    pair = CrossPair.load(args.sender, args.receiver)
+    receiver, tenant = pair.receiver, TENANT
     cases = []
     for seed in range(args.cases):
-        case = make_needle_case(essay_haystack(sender.tokenizer, args.tokens, "heldout", seed), 0.5, seed)
-        state = capture_state(sender, case.context, tenant)
+        case = make_needle_case(essay_haystack(pair.sender.tokenizer, args.tokens, "heldout", seed), 0.5, seed)
         q = suffix_ids(receiver, case.question)
-        ctx_ids = tokenize_context(receiver, case.context)[0].tolist()
         options = {"recompute": args.fraction, "selection": "mix", "query": case.question} if args.fraction else {}
-        with torch.inference_mode():
-            heterofold.relay_prefill(receiver, state, art, q, **options)  # warm-up
-            t = time.perf_counter()
-            out = heterofold.relay_prefill(receiver, state, art, q, **options)
-            relay_compute_s = time.perf_counter() - t
-        payload = KVPayload.from_cache(out.cache, ctx_ids, receiver.spec.weights_hash, tenant, exact=False)
-        path = payload.save(work / f"case{seed}.safetensors")
+        ctx_ids, path, relay_compute_s = pair.relay(case.context, q, f"case{seed}", warm=True, **options)
         cases.append((case, ctx_ids + q.tolist(), len(ctx_ids), path, relay_compute_s))
 
-    llm = LLM(
-        model=str(zoo.pull(args.receiver)), dtype=args.dtype, enforce_eager=True, enable_prefix_caching=True,
-        max_model_len=args.tokens + 256, skip_tokenizer_init=True, seed=0,
-        kv_transfer_config=transfer_config(receiver.spec.weights_hash),
-    )  # fmt: skip
+    llm = pair.engine(args.tokens + 256, args.dtype)
 
     def generate(ids: list[int], n: int, kv: tuple[Path, int] | None = None) -> tuple[list[int], float]:
         extra = transfer_params(*kv, tenant) if kv else None

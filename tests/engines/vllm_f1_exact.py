@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -45,40 +44,23 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--results", default="", help="also merge the row into benchmarks/results/NAME.json")
     args = ap.parse_args()
-    from vllm import LLM, SamplingParams
-    from vllm_relay_checks import _gap, same_greedy, write_engine_results  # the script beside this one
+    from cross_pair import TENANT, CrossPair  # this folder: the scripts beside this one
+    from vllm import SamplingParams
+    from vllm_relay_checks import _gap, same_greedy, write_engine_results
 
-    from ctxrelay import paths, transports, zoo
-    from ctxrelay.artifact import Artifact
-    from ctxrelay.engines.kv_payload import KVPayload
-    from ctxrelay.engines.vllm_connector import cpu_engine_env, transfer_config, transfer_params
-    from ctxrelay.models.capture import capture_state
-    from ctxrelay.models.tokens import tokenize_context
+    from ctxrelay.engines.vllm_connector import transfer_params
 
-    cpu_engine_env(2)
-    sender, receiver = zoo.load(args.sender), zoo.load(args.receiver)
-    heterofold = transports.get("heterofold")
-    art = Artifact.load(paths.find_artifact("heterofold", args.sender, args.receiver))
-    tenant = "acme"
-    work = Path(tempfile.mkdtemp(prefix="ctxrelay-f1-"))
+    pair = CrossPair.load(args.sender, args.receiver)
+    tenant = TENANT
     cases = []
     for seed in range(args.cases):
-        context, continuation = split_essay(sender.tokenizer, args.tokens, 500 + seed)
-        state = capture_state(sender, context, tenant)
-        ctx = tokenize_context(receiver, context)[0].tolist()
-        cont = receiver.tokenizer(continuation, add_special_tokens=False)["input_ids"]
-        with torch.inference_mode():
-            out = heterofold.relay_prefill(receiver, state, art, torch.tensor(cont[:1]), recompute=1.0)
-        assert out.cache.length == len(ctx) + 1, (out.cache.length, len(ctx))  # the context as the engine sees it
-        payload = KVPayload.from_cache(out.cache, ctx, receiver.spec.weights_hash, tenant, exact=False)
-        cases.append((ctx, cont, payload.save(work / f"case{seed}.safetensors")))
+        context, continuation = split_essay(pair.sender.tokenizer, args.tokens, 500 + seed)
+        cont = pair.receiver.tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        ctx, path, _ = pair.relay(context, torch.tensor(cont[:1]), f"case{seed}", recompute=1.0)
+        cases.append((ctx, cont, path))
 
     longest = max(len(c) + len(t) for c, t, _ in cases)
-    llm = LLM(
-        model=str(zoo.pull(args.receiver)), dtype="float32", enforce_eager=True, enable_prefix_caching=True,
-        max_model_len=longest + args.new_tokens + 16, skip_tokenizer_init=True, seed=0,
-        kv_transfer_config=transfer_config(receiver.spec.weights_hash),
-    )  # fmt: skip
+    llm = pair.engine(longest + args.new_tokens + 16)
 
     def generate(ids: list[int], n: int, salt: str, kv: tuple[Path, int] | None = None):
         extra = transfer_params(*kv, tenant) if kv else None

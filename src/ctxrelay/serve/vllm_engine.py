@@ -33,7 +33,7 @@ from ctxrelay.serve.compute import Cancel
 from ctxrelay.serve.engine import Engine, OnToken, Prompt, Served, cancellable
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import Metrics
-from ctxrelay.serve.sessions import Session
+from ctxrelay.serve.sessions import Conversations, Session
 
 log = logging.getLogger("ctxrelay.serve")
 
@@ -43,9 +43,9 @@ class VllmEngine(Engine):
 
     def __init__(
         self, pool: ModelPool, metrics: Metrics, servers: dict[str, VllmServer], *, max_queue: int = 32,
-        request_timeout_s: float = 300.0,
+        request_timeout_s: float = 300.0, sessions: Conversations | None = None,
     ):  # fmt: skip
-        super().__init__(pool, metrics, max_queue=max_queue, request_timeout_s=request_timeout_s)
+        super().__init__(pool, metrics, max_queue=max_queue, request_timeout_s=request_timeout_s, sessions=sessions)
         self.kind = "vllm"
         self.servers = servers
         self._http = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
