@@ -50,12 +50,14 @@ def namespace_missing() -> str | None:
 
 
 def ray_missing() -> str | None:
-    """Why Ray Serve cannot run here (None: it can)."""
+    """Why Ray Serve cannot run here (None: it can): the server's own check, as its message."""
+    from ctxrelay.errors import UsageError
+    from ctxrelay.serve.ray_backend import require_ray
+
     try:
-        import ray  # noqa: F401
-        from ray import serve  # noqa: F401
-    except ImportError as e:
-        return f'Ray Serve is not installed ({e}): pip install "ctxrelay[ray]"'
+        require_ray()
+    except UsageError as e:
+        return str(e)
     return None
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load, load_file, save, save_file
+from safetensors.torch import load, save, save_file
 
 from ctxrelay import seal
 from ctxrelay.errors import CtxrelayError
@@ -141,13 +141,13 @@ def read(path: str | Path, seal_mode: str = "if_present", mapped: bool = False) 
 def _read_mapped(path: Path, seal_mode: str) -> tuple[dict[str, torch.Tensor], dict]:
     _check_mode(seal_mode)
     try:
-        with safe_open(str(path), "pt") as f:
+        with safe_open(str(path), "pt") as f:  # one open: the manifest and the mapped tensors
             manifest = json.loads((f.metadata() or {})[MANIFEST_KEY])
-        if not isinstance(manifest, dict):
-            raise ValueError("the manifest is not a JSON object")
-        tensors = load_file(str(path))
+            if not isinstance(manifest, dict):
+                raise ValueError("the manifest is not a JSON object")
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+    except FileNotFoundError:
+        raise
     except (SafetensorError, KeyError, TypeError, ValueError, OSError) as e:
-        if isinstance(e, FileNotFoundError | IsADirectoryError):
-            raise
         raise TensorFileError(f"{path} is not a ctxrelay tensor file or is damaged ({str(e)[:200]})") from None
     return _checked(tensors, manifest, str(path), seal_mode)

@@ -131,7 +131,7 @@ def main() -> int:
     if args.results:
         extra = {"model": m.spec.name, "engine": "vllm", "engine_mode": "eager", "precision": "bf16",
                  "runner_dtype": args.runner_dtype}  # fmt: skip
-        write_engine_results(args.results, rows, extra)
+        write_engine_results(args.results, rows, extra, merge=True)  # the checks file holds other scripts' rows
     return 0 if all(r["passed"] for r in rows) else 1
 
 
@@ -151,6 +151,7 @@ def write_engine_results(name: str, rows: list[dict], extra: dict, merge: bool =
         record_checks(name, rows, command, extra)
     else:
         write_results(name, rows, command, extra)
+
 
 if __name__ == "__main__":
     sys.exit(main())
