@@ -100,6 +100,20 @@ def test_the_index_lists_a_plot_without_a_results_file_on_its_own_row(tmp_path):
     assert mod.main(["--results", str(tmp_path), "--check"]) == 1
 
 
+def test_writing_a_result_keeps_the_folders_index_current(tmp_path, monkeypatch):
+    # real tests record checks into benchmarks/results during the suite; the index test runs after them
+    from ctxrelay.results import write_results
+
+    monkeypatch.setenv("CTXRELAY_RESULTS_DIR", str(tmp_path))
+    mod = _results_index()
+    (tmp_path / "INDEX.md").write_text(mod.render(tmp_path))
+    write_results("x-checks", [{"transport": "native", "check": "a", "passed": True}], "pytest tests/x.py")
+    assert mod.problems(tmp_path) == []
+    assert "[x-checks.json](x-checks.json)" in (tmp_path / "INDEX.md").read_text()
+    write_results("y-checks", [{"transport": "native", "check": "b", "passed": True}], "pytest tests/y.py")
+    assert mod.problems(tmp_path) == []
+
+
 # (b) the README ---------------------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ctxrelay import results_index
 from ctxrelay.errors import UsageError
 from ctxrelay.paths import repo_root, results_path
 
@@ -149,6 +150,7 @@ def write_results(
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     os.replace(tmp, path)
+    results_index.refresh(path.parent)
     return path
 
 
