@@ -157,3 +157,31 @@ def test_a_cross_family_relay_at_f1_through_vllm_equals_native(tmp_path):
     assert out.exists(), f"the f = 1 check wrote nothing (exit {res.returncode}):\n{res.stderr[-4000:]}"
     row = json.loads(out.read_text())["rows"][0]
     assert row["passed"], row["detail"]
+
+
+def _capture_checks(model: Path | str, out: Path, tokens: int) -> list[dict]:
+    missing = _vllm_missing()
+    if missing:
+        pytest.skip(missing)
+    script = CHECKS.with_name("vllm_capture_checks.py")
+    res = subprocess.run(
+        [str(VLLM_PYTHON), str(script), str(model), str(out), "--tokens", str(tokens)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert out.exists(), f"the capture checks wrote nothing (exit {res.returncode}):\n{res.stderr[-4000:]}"
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["check"] for r in rows} == {
+        "capture_equals_runner", "capture_after_prefix_hit", "capture_in_a_batch", "capture_refused_elsewhere"
+    }  # fmt: skip
+    failed = [r for r in rows if not r["passed"]]
+    assert not failed, json.dumps(failed, indent=1)
+    return rows
+
+
+def test_tiny_model_kv_captured_inside_vllm_equals_the_runners(tmp_path):
+    _capture_checks(tiny_engine_model(tmp_path / "tiny"), tmp_path / "capture.json", tokens=300)
+
+
+@pytest.mark.real
+def test_zoo_model_kv_captured_inside_vllm_equals_the_runners(tmp_path):
+    _capture_checks("smollm2-135m", tmp_path / "capture.json", tokens=600)

@@ -98,6 +98,8 @@ def test_a_conversation_moves_from_smollm2_to_gemma3_and_relays_inside_vllm(serv
         # it found none of them in the engine's prefix cache
         "no_prefix_crossing": native["engine_cached_tokens"] == 0,
         "answers_as_native": right["relay"] == right["native"],
+        # smollm2's engine read turn 1's transcript and left its K/V: no runner prefill of the sender's state
+        "state_captured_by_engine": relayed["state_made"] == "prefilled by vllm",
     }  # fmt: skip
     detail = (
         f"{relayed['context_tokens']} context tokens; relayed ({relayed['reason']}) in {relayed['ttft_s']:.2f} s: "
@@ -113,6 +115,7 @@ def test_a_conversation_moves_from_smollm2_to_gemma3_and_relays_inside_vllm(serv
     assert checks["relayed"], f"the gate declined or relayed otherwise: {relayed}"
     assert checks["native_is_native"], native
     assert checks["no_prefix_crossing"], native
+    assert checks["state_captured_by_engine"], relayed
     assert checks["answers_as_native"], (right, relayed_text, native_text, relayed["reason"])
 
 

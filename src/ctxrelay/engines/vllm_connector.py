@@ -12,6 +12,11 @@ kernel, so the cache is never indexed directly). A file that is missing, foreign
 tenant, or of other tokens is reported through `get_block_ids_with_load_errors`, and with
 `kv_load_failure_policy="recompute"` vLLM computes those tokens itself: never a wrong answer.
 
+A request marked for capture (`capture_params`: a relay source) leaves its prompt's K/V in a sealed file
+for the router (engines/kv_capture.py): the scheduler side tells the worker which prompt positions each
+step computes and in which blocks; the worker's attention layers hand their new keys and values to the
+recorder on the way into the cache (the backend's `do_kv_cache_update`, wrapped once per layer).
+
 `transfer_config`, `transfer_params` and `cpu_engine_env` (vllm_params.py) are re-exported here.
 This module imports vLLM; the rest of ctxrelay never imports it (an install without vLLM loses nothing).
 """
@@ -34,10 +39,11 @@ try:
 except ImportError as e:  # the one module of ctxrelay that needs the engine
     raise ImportError(f"ctxrelay's vLLM connector needs vLLM: pip install 'ctxrelay[vllm]' or `make vllm` ({e})") from e
 
+from ctxrelay.engines.kv_capture import CaptureStep, Recorder
 from ctxrelay.engines.kv_payload import KVPayload
 from ctxrelay.engines.paged import claimable, slot_mapping
 from ctxrelay.engines.vllm_idle import cap_idle_spin
-from ctxrelay.engines.vllm_params import PARAM, cpu_engine_env, transfer_config, transfer_params
+from ctxrelay.engines.vllm_params import CAPTURE, PARAM, cpu_engine_env, transfer_config, transfer_params
 from ctxrelay.errors import CtxrelayError
 
 if TYPE_CHECKING:
@@ -67,6 +73,18 @@ class Load:
 @dataclass
 class CtxrelayMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
+    captures: list[CaptureStep] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)  # requests that ended: the worker drops their partial capture
+
+
+@dataclass
+class _Capturing:
+    """Scheduler side: a capture request still reading its prompt."""
+
+    params: dict
+    token_ids: list[int]
+    block_ids: list[int]
+    first: int
 
 
 class CtxrelayConnector(KVConnectorBase_V1):
@@ -77,6 +95,10 @@ class CtxrelayConnector(KVConnectorBase_V1):
         self.weights_hash = str(extra.get("weights_hash", ""))
         self._claimed: dict[str, tuple[dict, int, int]] = {}  # scheduler: req id -> (params, start, end)
         self._load_errors: set[int] = set()  # worker: blocks whose load failed
+        self._capture_params: dict[str, dict] = {}  # scheduler: req id -> params, until its first schedule
+        self._capturing: dict[str, _Capturing] = {}
+        self._recorder = Recorder(self.weights_hash, self.block_size)  # worker
+        self._wrapped = False
         cap = cap_idle_spin()  # in the worker's process: its idle spin would take a core from the router
         if cap is not None:
             log.info("ctxrelay: vLLM's idle spin capped at %g s (%s)", cap, role)
@@ -85,6 +107,8 @@ class CtxrelayConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
+        if params.get(CAPTURE):
+            self._capture_params[request.request_id] = params
         if not params.get(PARAM):
             return 0, False
         end = claimable(int(params.get("tokens", 0)), len(request.prompt_token_ids or []), self.block_size)
@@ -109,13 +133,75 @@ class CtxrelayConnector(KVConnectorBase_V1):
                 Load(new.req_id, str(params[PARAM]), str(params.get("tenant", "")), prompt, start, end,
                      list(new.block_ids[0]))
             )  # fmt: skip
+        self._capture_steps(scheduler_output, meta)
+        meta.finished = set(scheduler_output.finished_req_ids)
         return meta
+
+    def _capture_steps(self, out: SchedulerOutput, meta: CtxrelayMetadata) -> None:
+        """Which prompt positions of each capture request this step computes, and its blocks so far."""
+        for new in out.scheduled_new_reqs:
+            params = self._capture_params.pop(new.req_id, None)
+            if params is not None:
+                prompt, blocks = list(new.prompt_token_ids or []), list(new.block_ids[0])
+                self._capturing[new.req_id] = _Capturing(params, prompt, blocks, new.num_computed_tokens)
+                self._capture_step(new.req_id, new.num_computed_tokens, out, meta)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            c = self._capturing.get(rid)
+            if c is None:
+                continue
+            blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:  # preempted, blocks freed: read again from where it resumes
+                c.block_ids, c.first = list(blocks[0]) if blocks else [], cached.num_computed_tokens[i]
+            elif blocks:
+                c.block_ids += list(blocks[0])
+            self._capture_step(rid, cached.num_computed_tokens[i], out, meta)
+
+    def _capture_step(self, rid: str, start: int, out: SchedulerOutput, meta: CtxrelayMetadata) -> None:
+        c = self._capturing[rid]
+        n = min(out.num_scheduled_tokens.get(rid, 0), len(c.token_ids) - start)
+        if n > 0:
+            meta.captures.append(
+                CaptureStep(rid, str(c.params[CAPTURE]), str(c.params.get("tenant", "")), c.token_ids, c.first, start,
+                            n, list(c.block_ids))
+            )  # fmt: skip
+        if start + n >= len(c.token_ids):
+            del self._capturing[rid]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._claimed.pop(request.request_id, None)
+        self._capture_params.pop(request.request_id, None)
+        self._capturing.pop(request.request_id, None)
         return False, None
 
     # ---- worker side ---------------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before each step's forward: the recorder learns the step's captures (wrapping the layers' cache
+        updates the first time a capture comes, so an engine that never captures runs vLLM's code as is)."""
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, CtxrelayMetadata):
+            if connector_metadata.captures and not self._wrapped:
+                self._wrap_cache_updates(self._vllm_config.compilation_config.static_forward_context)
+            self._recorder.begin(connector_metadata.captures, connector_metadata.finished)
+
+    def _wrap_cache_updates(self, layers: dict[str, Any]) -> None:
+        """Each attention layer hands its new keys and values to the recorder on the way into the cache. The
+        backend's cache update runs eagerly inside a custom op (never traced), so compiled mode is captured."""
+        for name, layer in layers.items():
+            impl, found = getattr(layer, "impl", None), LAYER_INDEX.search(name)
+            update = getattr(impl, "do_kv_cache_update", None)
+            if update is None or found is None or getattr(impl, "_ctxrelay_wrapped", False):
+                continue
+
+            def wrapped(layer, key, value, kv_cache, slots, *a, _update=update, _i=int(found.group(1)), **kw):
+                if self._recorder.active:
+                    self._recorder.record(_i, key, value, slots)
+                return _update(layer, key, value, kv_cache, slots, *a, **kw)
+
+            impl.do_kv_cache_update = wrapped
+            impl._ctxrelay_wrapped = True
+        self._wrapped = True
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -156,7 +242,7 @@ class CtxrelayConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        return
+        self._recorder.finish()  # after the step's forward: captures whose prompt was read to its end are written
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

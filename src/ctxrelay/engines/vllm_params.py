@@ -10,6 +10,7 @@ from pathlib import Path
 
 CONNECTOR_MODULE = "ctxrelay.engines.vllm_connector"
 PARAM = "ctxrelay_kv"  # the kv_transfer_params key naming the K/V file
+CAPTURE = "ctxrelay_capture"  # the kv_transfer_params key naming where a relay source's K/V is left
 
 
 def transfer_config(weights_hash: str) -> dict:
@@ -29,6 +30,12 @@ def transfer_params(path: str | Path, tokens: int, tenant: str) -> dict:
 def kv_params(path: str | Path, tokens: int, tenant: str) -> dict:
     """A request's `kv_transfer_params` (the OpenAI server's request field of that name)."""
     return {PARAM: str(path), "tokens": tokens, "tenant": tenant}
+
+
+def capture_params(path: str | Path, tenant: str) -> dict:
+    """A request's `kv_transfer_params` asking the engine to leave its prompt's K/V at `path` (a relay
+    source: the router builds the sender's state of it)."""
+    return {CAPTURE: str(path), "tenant": tenant}
 
 
 def cache_salt(tenant: str, relay: str = "") -> str:

@@ -141,3 +141,48 @@ def extend_state(
     )
     new.meta["prefill_s"] = time.perf_counter() - t0
     return new
+
+
+def state_of_kv(
+    m: LoadedModel, text: str, tenant: str, keys_pre_rope: torch.Tensor, values: torch.Tensor, start: int = 0,
+    base: ContextState | None = None, meta: dict | None = None,
+) -> ContextState:  # fmt: skip
+    """The state of `text` from K/V read elsewhere (a serving engine's prefill) of its tokens start..T-1,
+    [L, T - start, Hkv, d]; the first `start` come from `base`, a state of this model over those very tokens
+    (the engine's prefix cache served them). Refused where the parts do not add up to the text's tokens."""
+    ids, offsets = tokenize_context(m, text)
+    s = m.spec
+    if keys_pre_rope.shape != values.shape or keys_pre_rope.shape[0] != s.num_layers:
+        raise UsageError(f"K/V of shape {tuple(keys_pre_rope.shape)} / {tuple(values.shape)} is not {s.name}'s")
+    if start + keys_pre_rope.shape[1] != len(ids):
+        raise UsageError(f"K/V of positions {start}..{start + keys_pre_rope.shape[1] - 1} for {len(ids)} tokens")
+    keys, vals = keys_pre_rope.to(m.dtype), values.to(m.dtype)
+    if start:
+        if base is None or not base.has("kv") or base.num_tokens < start:
+            raise UsageError(f"K/V from position {start} needs a state of the first {start} tokens")
+        if base.binding.weights_hash != s.weights_hash or not torch.equal(base.tokens[:start], ids[:start]):
+            raise UsageError("the state the K/V continues is of another model or other tokens")
+        base.check(tenant=tenant)
+        keys = torch.cat([base.keys_pre_rope[:, :start].to(m.dtype), keys], dim=1)
+        vals = torch.cat([base.values[:, :start].to(m.dtype), vals], dim=1)
+    return ContextState(
+        text=text, tokens=ids, offsets=offsets, binding=Binding.of(m, tenant), keys_pre_rope=keys, values=vals,
+        meta={"sender": s.name, **({"extended_from": start} if start else {}), **(meta or {})},
+    )  # fmt: skip
+
+
+def unrope_keys(m: LoadedModel, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Keys after RoPE [L, T, Hkv, d] at positions start..start+T-1 (as an engine's cache holds them) back to
+    pre-RoPE keys, the rotation undone (cos, -sin). A family with k-norm has none to give: its norm dropped
+    each key's scale, which its pre-norm keys (what the translators read) still have."""
+    if m.spec.family.qk_norm:
+        raise ValueError(f"{m.spec.name} normalises keys before RoPE: its cached keys cannot give pre-norm keys")
+    t = keys.shape[1]
+    like = torch.empty(1, t, m.spec.hidden_size, dtype=torch.float32, device=keys.device)
+    rope = runner.rope_tables(m, torch.arange(start, start + t, device=keys.device), like)
+    out = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
+    for i in range(keys.shape[0]):
+        cos, sin = rope[m.spec.layer_types[i]]
+        k = keys[i].to(torch.float32).transpose(0, 1).unsqueeze(0)  # [1, H, T, d]
+        out[i] = runner.rotate(k, cos.float(), -sin.float())[0].transpose(0, 1)
+    return out

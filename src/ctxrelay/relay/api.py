@@ -24,7 +24,7 @@ from ctxrelay import paths, transports, zoo
 from ctxrelay.artifact import Artifact
 from ctxrelay.errors import BindingError, CtxrelayError, UsageError
 from ctxrelay.models import runner
-from ctxrelay.models.capture import capture_state, extend_state
+from ctxrelay.models.capture import CapturePlan, capture_state, extend_state
 from ctxrelay.models.sampling import Sampling, TokenLogprob
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids
@@ -153,10 +153,7 @@ class ModelPool:
         checked_text(text)
         m = self.model(sender)
         check_window(m, len(context_ids(m, text)))
-        by_transport: dict[str, list[dict]] = {}
-        for e in self.graph.edges_from(m.spec.weights_hash):
-            by_transport.setdefault(e.transport, []).append(e.params)
-        plans = [transports.get(t).capture_plan(m, params) for t, params in by_transport.items()]
+        plans = self.capture_plans(m)
         state = None
         if extend is not None:
             extend.check(tenant=tenant)
@@ -169,6 +166,22 @@ class ModelPool:
             except StoreUnavailable as e:
                 log.warning("state not stored (%s); it is still usable in this process", e)
         return state
+
+    def capture_plans(self, m: LoadedModel) -> list[CapturePlan]:
+        """What the sender's prefill records for the edges out of it (one plan per transport); with an engine,
+        for the edges it can serve (an edge left with no engine-servable point records nothing)."""
+        by_transport: dict[str, list[dict]] = {}
+        for e in self.graph.edges_from(m.spec.weights_hash):
+            if self.engine and not e.points:
+                continue
+            by_transport.setdefault(e.transport, []).append(e.params)
+        return [transports.get(t).capture_plan(m, params) for t, params in by_transport.items()]
+
+    def kv_is_enough(self, sender: str) -> bool:
+        """Whether K/V alone makes the sender's state (an engine's prefill can give it): no edge out of it
+        needs attention maps, queries or a part written after the prefill."""
+        plans = self.capture_plans(self.model(sender))
+        return all(p.on_probs is None and p.on_qk is None and p.finish is None for p in plans)
 
     # ---- receiver side ------------------------------------------------------------------------
 

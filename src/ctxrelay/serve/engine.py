@@ -78,7 +78,7 @@ class Engine:
         self.compute = ComputeLock()
         # the states turns leave, built after their replies; the conversation store names them
         sessions = sessions if sessions is not None else SessionStore()  # an empty store is falsy (__len__)
-        self.states = StateBuilder(pool, self.computing, sessions, metrics, request_timeout_s)
+        self.states = StateBuilder(pool, self.computing, sessions, metrics, request_timeout_s, self.state_prefill)
         self._admit = threading.Lock()
         self._depth = 0
         self._service_s = 1.0  # running mean of a turn's compute time, for Retry-After
@@ -87,6 +87,10 @@ class Engine:
     def depth(self) -> int:
         """Requests admitted and not finished."""
         return self._depth
+
+    def state_prefill(self, model: str, text: str, tenant: str, own, cancel: Cancel):
+        """The state a turn leaves (state_builder.Prefill): read by ctxrelay's runner here."""
+        return self.states.runner_prefill(model, text, tenant, own, cancel)
 
     def close(self) -> None:
         """Stop what the engine started: the state builds (the runner lives in this process)."""

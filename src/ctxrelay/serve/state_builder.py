@@ -8,7 +8,9 @@ records that its state is pending (`Session.building`), saves the conversation a
 one background thread builds the state under the compute lock, which it takes like any request,
 after the reply's turn released it, so the build never delays that reply. Where the same model served
 the previous turn and its state is at hand, only the new turn and reply are read over it (`extend`,
-capture.extend_state, still off the reply path); otherwise the transcript is prefilled (`prefill`).
+capture.extend_state, still off the reply path); otherwise the transcript is prefilled (`prefill`). An
+engine may read the transcript itself instead (`prefill=`: vllm_engine.py has vLLM prefill it and leave
+its K/V, taking the compute lock only to turn that K/V into the state).
 
 The conversation store names the state once it is whole (`Conversations.attach`): in memory the
 session holds it; in Redis it is stored first and the record names it after, so no process reads a
@@ -44,6 +46,8 @@ log = logging.getLogger("ctxrelay.serve")
 NOT_STORED = "the last turn was sent with store: false (it left no state)"
 OUTGREW = "the conversation outgrew the model's window (no state of it fits)"
 POLL_S = 0.05  # how often a turn waiting for another process's build reads the record again
+# (model, transcript text, tenant, the model's own last state or None, cancel) -> the state; takes the lock it needs
+Prefill = Callable[[str, str, str, ContextState | None, Cancel], ContextState]
 
 
 @dataclass
@@ -57,9 +61,10 @@ class StateBuilder:
 
     def __init__(
         self, pool: ModelPool, computing: Callable[[Cancel], AbstractContextManager], sessions: Conversations,
-        metrics: Metrics, timeout_s: float,
+        metrics: Metrics, timeout_s: float, prefill: Prefill | None = None,
     ):  # fmt: skip
         self.pool, self.computing, self.sessions, self.metrics = pool, computing, sessions, metrics
+        self.prefill = prefill or self.runner_prefill
         self.timeout_s = timeout_s
         self._pending: dict[tuple[str, str], _Build] = {}
         self._lock = threading.RLock()  # a future done at registration runs its callback in the registering thread
@@ -126,11 +131,10 @@ class StateBuilder:
     def _build(self, s: Session, turn: int, model: str, tenant: str, text: str, own: ContextState | None) -> Built:
         """One state, built under the compute lock and handed to the conversation store."""
         try:
-            with self.computing(self._cancel):
-                try:
-                    state, why = self.pool.prefill(model, text, tenant, store=False, extend=own), ""
-                except UsageError:  # over the window: this reply stands, the next turn is refused at its plan
-                    state, why = None, OUTGREW
+            try:
+                state, why = self.prefill(model, text, tenant, own, self._cancel), ""
+            except UsageError:  # over the window: this reply stands, the next turn is refused at its plan
+                state, why = None, OUTGREW
         except BaseException as e:  # the store says why, so another process's next turn can too
             self.metrics.state_build_failures.inc()
             log.warning("conversation %s: state not built (%s: %s)", s.id, type(e).__name__, e)
@@ -143,6 +147,13 @@ class StateBuilder:
         out = self.sessions.attach(s, turn, state, why)
         self.metrics.state_bytes.set(self.sessions.trim())
         return out
+
+    def runner_prefill(
+        self, model: str, text: str, tenant: str, own: ContextState | None, cancel: Cancel
+    ) -> ContextState:
+        """The state read by ctxrelay's runner, under the compute lock (the runner shares the router's cores)."""
+        with self.computing(cancel):
+            return self.pool.prefill(model, text, tenant, store=False, extend=own)
 
     def _done(self, key: tuple[str, str], b: _Build) -> None:
         with self._lock:
@@ -180,7 +191,8 @@ class StateBuilder:
 
 
 def _made(state: ContextState) -> str:
-    return "extended" if "extended_from" in state.meta else "prefilled"
+    how = "extended" if "extended_from" in state.meta else "prefilled"
+    return f"{how} by {state.meta['captured_by']}" if state.meta.get("captured_by") else how
 
 
 def _why(e: BaseException) -> str:

@@ -21,21 +21,29 @@ import uuid
 from pathlib import Path
 
 import httpx
+import torch
 
+from ctxrelay.engines.kv_capture import CapturedKV, wait_for_file
 from ctxrelay.engines.kv_payload import KVPayload, handoff_dir
-from ctxrelay.engines.vllm_params import cache_salt, kv_params
+from ctxrelay.engines.vllm_params import cache_salt, capture_params, kv_params
 from ctxrelay.engines.vllm_server import DTYPES, EngineConfig, VllmServer
+from ctxrelay.errors import BindingError
 from ctxrelay.models import runner
+from ctxrelay.models.capture import state_of_kv, unrope_keys
 from ctxrelay.models.sampling import Sampling, TokenLogprob
-from ctxrelay.models.tokens import context_ids, suffix_ids
-from ctxrelay.relay.api import ModelPool, Prepared, RelayResult
+from ctxrelay.models.spec import LoadedModel
+from ctxrelay.models.tokens import context_ids, suffix_ids, tokenize_context
+from ctxrelay.relay.api import ModelPool, Prepared, RelayResult, check_window
 from ctxrelay.serve.compute import Cancel
 from ctxrelay.serve.engine import Engine, OnToken, Prompt, Served, cancellable
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import Metrics
 from ctxrelay.serve.sessions import Conversations, Session
+from ctxrelay.state import ContextState
+from ctxrelay.text import checked_text
 
 log = logging.getLogger("ctxrelay.serve")
+CAPTURE_WRITE_S = 60.0  # the engine's writer thread renames the capture into place after the answer
 
 
 class VllmEngine(Engine):
@@ -143,6 +151,64 @@ class VllmEngine(Engine):
         report["engine"] = self.engine_facts(p.model)
         report["engine_cached_tokens"] = res.info["engine_cached_tokens"]
         return Served(res, report, len(ids))
+
+    # ---- the state a turn leaves --------------------------------------------------------------
+
+    def state_prefill(
+        self, model: str, text: str, tenant: str, own: ContextState | None, cancel: Cancel
+    ) -> ContextState:
+        """The transcript read by the model's engine, which leaves its K/V (engines/kv_capture.py); the
+        router turns it into the state under the compute lock. ctxrelay's runner reads it instead where the
+        engine cannot give what the state needs (a family with k-norm: its cached keys lost the pre-norm
+        scale the translators read; an edge that needs more than K/V), or where the engine's capture failed."""
+        m = self.pool.models[model]
+        if model not in self.servers or m.spec.family.qk_norm or not self.pool.kv_is_enough(model):
+            return super().state_prefill(model, text, tenant, own, cancel)
+        try:
+            return self._captured_state(m, text, tenant, own, cancel)
+        except (ApiError, BindingError, TimeoutError) as e:
+            log.warning("%s: the engine's capture failed (%s); the runner reads the transcript", model, e)
+            return super().state_prefill(model, text, tenant, own, cancel)
+
+    def _captured_state(
+        self, m: LoadedModel, text: str, tenant: str, own: ContextState | None, cancel: Cancel
+    ) -> ContextState:
+        model = m.spec.name
+        checked_text(text)
+        ids = tokenize_context(m, text)[0].tolist()
+        check_window(m, len(ids))
+        t0 = time.perf_counter()
+        cap = self.capture(model, ids, tenant, cache_salt(tenant))  # the tenant's exact prefix cache may serve
+        base = own if own is not None and own.num_tokens >= cap.start else None
+        if cap.start and (base is None or base.tokens[: cap.start].tolist() != ids[: cap.start]):
+            # its prefix cache served tokens this conversation holds no state of: read them all, cold
+            cap = self.capture(model, ids, tenant, cache_salt(tenant, uuid.uuid4().hex))
+        read_s = time.perf_counter() - t0
+        with self.computing(cancel):
+            keys = unrope_keys(m, torch.stack(cap.keys), cap.start)
+            state = state_of_kv(m, text, tenant, keys, torch.stack(cap.values), cap.start, base,
+                                meta={"captured_by": "vllm", "engine_read_s": read_s})  # fmt: skip
+        state.meta["prefill_s"] = time.perf_counter() - t0
+        return state
+
+    def capture(self, model: str, ids: list[int], tenant: str, salt: str) -> CapturedKV:
+        """The engine prefills `ids` (one token decoded) and leaves their K/V; read here and removed."""
+        server = self.servers[model]
+        path = self.payload_dir / f"capture-{uuid.uuid4().hex}.safetensors"
+        body = {
+            "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "cache_salt": salt,
+            "kv_transfer_params": capture_params(path, tenant),
+        }  # fmt: skip
+        try:
+            r = self._http.post(server.url + "/v1/completions", json=body)
+            if r.status_code != 200:
+                raise ApiError(502, f"the vLLM engine of {model} answered {r.status_code}: {r.text[:300]!r}")
+            wait_for_file(path, CAPTURE_WRITE_S)
+            return CapturedKV.load(path, ids, self.pool.models[model].spec.weights_hash, tenant)
+        except httpx.HTTPError as e:
+            raise ApiError(502, f"the vLLM engine of {model} failed: {e}") from e
+        finally:
+            path.unlink(missing_ok=True)
 
     def engine_facts(self, model: str) -> dict:
         s = self.servers[model]
