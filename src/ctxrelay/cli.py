@@ -431,6 +431,9 @@ def serve(
     engine_profile_lengths: str = typer.Option(
         "2048,4096", help="vLLM: context lengths the gate's engine costs are measured at (once per machine)"
     ),
+    engine_state: str = typer.Option(
+        "auto", help="vLLM: who reads the state a turn leaves: auto (the faster measured prefill) | engine | runner"
+    ),
     backend: str = typer.Option("local", envvar="CTXRELAY_BACKEND", help="local | ray (Ray Serve; $RAY_ADDRESS)"),
     replicas: str = typer.Option("1", help="ray: replicas per model: N (each) or MODEL=N,... (the others 1)"),
 ) -> None:
@@ -445,7 +448,9 @@ def serve(
 
     digests = load_keys(keys or None)
     check_exposure(host, digests)  # before loading models: a refused start costs nothing
-    config = EngineConfig.from_options(engine, engine_mode, engine_dtype, engine_kv_gib, engine_profile_lengths)
+    config = EngineConfig.from_options(
+        engine, engine_mode, engine_dtype, engine_kv_gib, engine_profile_lengths, engine_state
+    )
     limits = Limits(default_max_tokens=min(64, max_tokens), max_tokens=max_tokens)
     settings = Settings(
         keys=digests, max_queue=max_queue, request_timeout_s=request_timeout, max_sessions=max_sessions,

@@ -153,3 +153,36 @@ def test_the_vllm_engine_takes_every_setting_the_native_engine_takes(tiny_by_fam
         assert (engine.max_queue, engine.request_timeout_s, engine.kind) == (3, 7.0, "vllm")
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(
+    "family, reader, engine_s, runner_s, reads",
+    [("llama", "auto", 1.0, 2.0, True), ("llama", "auto", 2.0, 1.0, False), ("llama", "engine", 2.0, 1.0, True),
+     ("llama", "runner", 1.0, 2.0, False), ("gemma3", "engine", 1.0, 2.0, False)],
+)  # fmt: skip
+def test_the_state_a_turn_leaves_is_read_by_the_faster_native_that_can_give_it(
+    tiny_by_family, tmp_path, family, reader, engine_s, runner_s, reads
+):
+    """The engine reads a turn's state (capturing its K/V) where --engine-state says so or, "auto", where its
+    measured native prefill is no slower than the runner's; never for a family with k-norm (its cached keys
+    lost the pre-norm scale the translators read)."""
+    from ctxrelay.serve.metrics import Metrics
+    from ctxrelay.serve.vllm_engine import VllmEngine
+
+    m = tiny_by_family[family]
+    config = EngineConfig(state_reader=reader)
+    server = VllmServer(m.spec.name, tmp_path, m.spec.weights_hash, config, "avx2", tmp_path)
+    engine = VllmEngine(ModelPool([m], store="memory", engine=True), Metrics(), {m.spec.name: server})
+    try:
+        h = m.spec.weights_hash
+        engine.pool.profile.native[h] = CostModel({"prefill_s": (engine_s, 0.0, 0.0)})
+        engine.runner_profile = Profile(native={h: CostModel({"prefill_s": (runner_s, 0.0, 0.0)})})
+        assert engine.engine_reads_state(m, SAMPLE_TEXT) is reads
+    finally:
+        engine.close()
+
+
+def test_engine_state_option_is_checked():
+    with pytest.raises(UsageError, match="--engine-state"):
+        EngineConfig.from_options("vllm", "eager", "auto", 2.0, "2048", state_reader="sometimes")
+    assert EngineConfig.from_options("vllm", "eager", "auto", 2.0, "2048", "runner").state_reader == "runner"

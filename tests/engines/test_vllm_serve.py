@@ -36,7 +36,7 @@ def server(tmp_path_factory):
     env = {**os.environ, "CTXRELAY_API_KEYS": f"{KEY}:acme,{OTHER}:globex", "CTXRELAY_VLLM_PYTHON": str(VLLM_PYTHON)}
     cmd = [
         sys.executable, "-m", "ctxrelay.cli", "serve", "--engine", "vllm", "--models", ",".join(MODELS),
-        "--host", "127.0.0.1", "--port", str(port), "--max-tokens", "64",
+        "--host", "127.0.0.1", "--port", str(port), "--max-tokens", "64", "--engine-state", "engine",
     ]  # fmt: skip
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

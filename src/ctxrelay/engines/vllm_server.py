@@ -48,6 +48,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STATE_READERS = ("auto", "engine", "runner")
+
+
 @dataclass
 class EngineConfig:
     """How one model's engine runs. `dtype` "auto" picks bf16 where the CPU has AVX512-bf16 or AMX and fp32
@@ -61,18 +64,25 @@ class EngineConfig:
     seed: int = 0
     profile_lengths: tuple[int, ...] = (2048, 4096)  # where the gate's engine costs are measured (then interpolated)
     extra_args: list[str] = field(default_factory=list)
+    # who reads the state a turn leaves: the engine (capturing its K/V), ctxrelay's runner, or "auto": the one
+    # whose measured native prefill is faster (on an AVX2 CPU vLLM fp32 can be the slower of the two)
+    state_reader: str = "auto"
 
     @staticmethod
-    def from_options(engine: str, mode: str, dtype: str, kv_space_gib: float, profile_lengths: str) -> EngineConfig:
+    def from_options(
+        engine: str, mode: str, dtype: str, kv_space_gib: float, profile_lengths: str, state_reader: str = "auto"
+    ) -> EngineConfig:
         """The config `ctxrelay serve --engine ... --engine-mode ...` asks for, checked."""
         if engine not in ("native", "vllm") or mode not in ("eager", "compiled"):
             raise UsageError(f"--engine is native or vllm, --engine-mode eager or compiled (got {engine}, {mode})")
+        if state_reader not in STATE_READERS:
+            raise UsageError(f"--engine-state is one of {', '.join(STATE_READERS)}, not {state_reader!r}")
         try:
             lengths = tuple(int(n) for n in profile_lengths.split(",") if n)
         except ValueError:
             bad = f"--engine-profile-lengths is a comma list of token counts, not {profile_lengths!r}"
             raise UsageError(bad) from None
-        return EngineConfig(dtype, mode == "compiled", kv_space_gib, profile_lengths=lengths)
+        return EngineConfig(dtype, mode == "compiled", kv_space_gib, profile_lengths=lengths, state_reader=state_reader)
 
     def resolved_dtype(self, isa: str) -> str:
         if self.dtype != "auto":

@@ -106,6 +106,7 @@ def prepare_gate(engine, text_for: Callable, lengths: list[int], path: Path, rep
         if pool.profile_path is not None:
             pool.profile.save(pool.profile_path)
     runner_profile = pool.profile
+    engine.runner_profile = runner_profile  # the runner's own native costs (who reads a turn's state, vllm_engine)
     costs = Profile.load(path) if path.exists() else Profile()
     if not all(_covers(costs.native.get(pool.models[name].spec.weights_hash), lengths) for name in engine.servers):
         engine_costs(engine, text_for, lengths, costs, repeats)

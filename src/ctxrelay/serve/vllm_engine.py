@@ -34,6 +34,7 @@ from ctxrelay.models.sampling import Sampling, TokenLogprob
 from ctxrelay.models.spec import LoadedModel
 from ctxrelay.models.tokens import context_ids, suffix_ids, tokenize_context
 from ctxrelay.relay.api import ModelPool, Prepared, RelayResult, check_window
+from ctxrelay.relay.graph import Profile
 from ctxrelay.serve.compute import Cancel
 from ctxrelay.serve.engine import Engine, OnToken, Prompt, Served, cancellable
 from ctxrelay.serve.errors import ApiError
@@ -58,6 +59,7 @@ class VllmEngine(Engine):
         self.servers = servers
         self._http = httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=10.0))
         self.payload_dir = handoff_dir()
+        self.runner_profile: Profile | None = None  # set by engine_profile.prepare_gate
 
     @staticmethod
     def start(
@@ -162,13 +164,29 @@ class VllmEngine(Engine):
         engine cannot give what the state needs (a family with k-norm: its cached keys lost the pre-norm
         scale the translators read; an edge that needs more than K/V), or where the engine's capture failed."""
         m = self.pool.models[model]
-        if model not in self.servers or m.spec.family.qk_norm or not self.pool.kv_is_enough(model):
+        if not self.engine_reads_state(m, text):
             return super().state_prefill(model, text, tenant, own, cancel)
         try:
             return self._captured_state(m, text, tenant, own, cancel)
         except (ApiError, BindingError, TimeoutError) as e:
             log.warning("%s: the engine's capture failed (%s); the runner reads the transcript", model, e)
             return super().state_prefill(model, text, tenant, own, cancel)
+
+    def engine_reads_state(self, m: LoadedModel, text: str) -> bool:
+        """Whether the engine reads the state (else the runner): it can give it (no k-norm, K/V enough), and
+        --engine-state says so, or, "auto", its measured native prefill is no slower than the runner's."""
+        name = m.spec.name
+        if name not in self.servers or m.spec.family.qk_norm or not self.pool.kv_is_enough(name):
+            return False
+        reader = self.servers[name].config.state_reader
+        if reader != "auto":
+            return reader == "engine"
+        engine_cost = self.pool.profile.native.get(m.spec.weights_hash)
+        runner_cost = self.runner_profile.native.get(m.spec.weights_hash) if self.runner_profile else None
+        if engine_cost is None or runner_cost is None:
+            return True
+        n = len(context_ids(m, text))
+        return engine_cost.total(n) <= runner_cost.total(n)
 
     def _captured_state(
         self, m: LoadedModel, text: str, tenant: str, own: ContextState | None, cancel: Cancel
@@ -178,16 +196,20 @@ class VllmEngine(Engine):
         ids = tokenize_context(m, text)[0].tolist()
         check_window(m, len(ids))
         t0 = time.perf_counter()
-        cap = self.capture(model, ids, tenant, cache_salt(tenant))  # the tenant's exact prefix cache may serve
+        # a conversation's reads share a prefix-cache salt of their own: the engine serves the transcript's
+        # start from the last read, whose K/V the conversation's own state holds (another conversation's blocks
+        # of the same text would leave a start no state of this one covers)
+        salt = (own.meta.get("engine_salt") if own is not None else None) or cache_salt(tenant, uuid.uuid4().hex)
+        cap = self.capture(model, ids, tenant, salt)
         base = own if own is not None and own.num_tokens >= cap.start else None
         if cap.start and (base is None or base.tokens[: cap.start].tolist() != ids[: cap.start]):
-            # its prefix cache served tokens this conversation holds no state of: read them all, cold
-            cap = self.capture(model, ids, tenant, cache_salt(tenant, uuid.uuid4().hex))
+            salt = cache_salt(tenant, uuid.uuid4().hex)  # not the tokens the state holds: read them all, cold
+            cap = self.capture(model, ids, tenant, salt)
         read_s = time.perf_counter() - t0
         with self.computing(cancel):
             keys = unrope_keys(m, torch.stack(cap.keys), cap.start)
             state = state_of_kv(m, text, tenant, keys, torch.stack(cap.values), cap.start, base,
-                                meta={"captured_by": "vllm", "engine_read_s": read_s})  # fmt: skip
+                                meta={"captured_by": "vllm", "engine_read_s": read_s, "engine_salt": salt})  # fmt: skip
         state.meta["prefill_s"] = time.perf_counter() - t0
         return state
 
