@@ -5,8 +5,8 @@ the whole history each turn, as OpenAI's API has it. Either way the messages dec
 reusable, within the request's tenant only:
 
 - a named conversation whose messages the request resends and extends: that conversation, its own state
-  (`reuse: "id"`). A request that does not begin with them at all is read as only the new messages, which
-  follow the conversation's history;
+  (`reuse: "id"`). A request that does not begin with them and holds no assistant reply is read as only
+  the new messages, which follow the conversation's history (a resend holds the replies);
 - otherwise the tenant's content index (content_index.py) gives the longest stored message list, ending
   with a reply, that begins the request. Where that list is a whole conversation and the request names
   none, the request is that conversation's next turn; else the state of the prefix is cut from that
@@ -109,7 +109,7 @@ class Finder:
         c = _common(have, messages)
         if have and c == len(have):  # resent and extended (a request that only repeats it: plan_chat's 400)
             return Found(s, ID, c, "the conversation's own state")
-        if have and c == 0:
+        if have and not any(m["role"] == "assistant" for m in messages):  # no reply of it: not a resend
             return Found(s, ID, len(have), "only new messages were sent: they follow the conversation's history")
         # a client-chosen id used for the first time, or a resend that differs from the conversation's
         own = _reply_end(messages, min(c, len(messages) - 1))
