@@ -157,7 +157,7 @@ def test_relayed_and_native_turns_count_the_same_prompt_tokens(tiny_by_family, t
     turn2 = [*QUESTION, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
              {"role": "user", "content": "And a company?"}]  # fmt: skip
     relayed = ask(qwen.name, turn2, conversation=first["ctxrelay"]["conversation"])
-    native = ask(qwen.name, turn2)
+    native = ask(qwen.name, turn2, store=False)  # nothing looked up: read fresh, natively
     r = relayed["ctxrelay"]
     assert r["transport"] == "heterofold" and native["ctxrelay"]["transport"] == "native", r["reason"]
     assert relayed["usage"]["completion_tokens"] > 1  # a decoded answer is not counted as prompt

@@ -8,6 +8,7 @@ only plain data in Redis. The module's processes are shared, in file order: the 
 """
 
 import json
+import re
 import signal
 import time
 
@@ -187,6 +188,9 @@ def test_redis_holds_json_records_and_safetensors_states_only(cluster):
         kind = key.split(":")[1]
         if kind == "conv-lru":
             assert all(m.decode().startswith("ctxrelay:conv:") for m in r.zrange(key, 0, -1))
+        elif kind == "conv-prefix":  # the tenant's content index: prefix hash -> a conversation id of that tenant
+            entries, tenant = r.hgetall(key).items(), key.split(":")[2]
+            assert all(len(h) == 64 and r.exists(f"ctxrelay:conv:{tenant}:{i.decode()}") for h, i in entries)
         elif kind == "conv-state-refs":  # state -> how many records name it
             assert all(r.exists(f"ctxrelay:state:{k.decode()}") and int(n) > 0 for k, n in r.hgetall(key).items())
         else:
@@ -194,7 +198,7 @@ def test_redis_holds_json_records_and_safetensors_states_only(cluster):
             assert not value.startswith(b"\x80")  # pickle protocol 2+ opens with 0x80
             assert json.loads(value)["version"] == 1 if kind == "conv" else load_safetensors(value)
         kinds[kind] = kinds.get(kind, 0) + 1
-    assert set(kinds) == {"conv", "conv-lru", "conv-state-refs", "state"}, kinds  # no lock is left behind
+    assert set(kinds) == {"conv", "conv-lru", "conv-state-refs", "conv-prefix", "state"}, kinds  # no lock left
 
 
 def test_conversations_with_one_transcript_share_its_state_until_the_last_moves_on(cluster):
@@ -214,6 +218,72 @@ def test_a_state_gone_from_the_store_means_a_native_turn_that_says_so(cluster):
     r.delete(state_key(r, conv))  # as Redis eviction or an expiry would
     body = turn(b.url, llama, [{"role": "user", "content": "Next?"}], conv).json()["ctxrelay"]
     assert body["transport"] == "native" and "no longer in the state store" in body["reason"] and body["turn"] == 2
+
+
+def test_a_resent_history_is_found_by_content_on_any_process(cluster):
+    """No id: process B finds the conversation A served by its messages (the content index is in Redis), relays
+    it to the other model, and an edited resend branches from the common prefix without reading it twice."""
+    a, b, r, llama, qwen = cluster
+    ca, cb = client(a.url), client(b.url)
+    opening = [{"role": "user", "content": "Which planet is largest?"}]
+    first = ca.chat.completions.create(model=llama, messages=opening, max_tokens=8)
+    conv = first.ctxrelay["conversation"]
+    history = [*opening, reply(first), {"role": "user", "content": "And smallest?"}]
+    second = cb.chat.completions.create(model=qwen, messages=history, max_tokens=8)
+    r2 = second.ctxrelay
+    assert (r2["conversation"], r2["reuse"], r2["reused_messages"], r2["turn"]) == (conv, "content", 2, 2)
+    assert r2["transport"] == "heterofold" and r2["relayed_from"] == llama, r2["reason"]
+    built(r, conv)
+    edited = [*opening, reply(first), {"role": "user", "content": "And smallesT?"}, reply(second),
+              {"role": "user", "content": "Why?"}]  # fmt: skip
+    branch = ca.chat.completions.create(model=qwen, messages=edited, max_tokens=8)
+    fresh = ca.chat.completions.create(model=qwen, messages=edited, max_tokens=8, extra_body={"store": False})
+    rb = branch.ctxrelay
+    assert (rb["reuse"], rb["reused_messages"], rb["turn"]) == ("content", 2, 1) and rb["conversation"] != conv
+    assert branch.usage.prompt_tokens == fresh.usage.prompt_tokens  # the history is never read twice
+    assert json.loads(r.get(f"ctxrelay:conv:acme:{conv}"))["messages"] == [*history, reply(second)]  # untouched
+    metrics = httpx.get(b.url + "/metrics").text
+    assert re.search(r'^ctxrelay_content_reuse_total\{result="hit"\} [1-9]', metrics, re.M)
+
+
+def test_a_client_chosen_id_names_one_conversation_per_tenant_on_every_process(cluster):
+    a, b, r, llama, _ = cluster
+    opening = [{"role": "user", "content": "Remember the word tulip."}]
+    first = turn(a.url, llama, opening, "my-chat-1")
+    assert first.status_code == 200 and first.json()["ctxrelay"]["conversation"] == "my-chat-1", first.text
+    said = {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}
+    history = [*opening, said, {"role": "user", "content": "Which word?"}]
+    headers = {"Authorization": "Bearer k-acme", "X-Session-ID": "my-chat-1"}
+    body = {"model": llama, "messages": history, "max_tokens": 8}
+    second = httpx.post(b.url + "/v1/chat/completions", json=body, headers=headers, timeout=120).json()["ctxrelay"]
+    assert (second["conversation"], second["turn"], second["reuse"], second["transport"]) == (
+        "my-chat-1", 2, "id", "self"), second["reason"]  # fmt: skip
+    other = turn(b.url, llama, history, "my-chat-1", key="k-globex").json()["ctxrelay"]
+    assert (other["turn"], other["reuse"]) == (1, "none")  # globex's own my-chat-1, and acme's content unseen
+    assert json.loads(r.get("ctxrelay:conv:globex:my-chat-1"))["tenant"] == "globex"
+    assert json.loads(r.get("ctxrelay:conv:acme:my-chat-1"))["turns"] == 2
+
+
+def test_the_content_index_forgets_a_conversation_dropped_past_max_sessions(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    store = RedisSessionStore(r, MemoryStore(1 << 20, 4096), prefix="ctxrelay-index-test", max_sessions=1)
+    first = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    try:
+        old = store.open("new", "acme")
+        store.hold(old)
+        old.messages, old.turns = first, 1
+        store.save(old)
+        store.release(old)
+        ask = [*first, {"role": "user", "content": "more"}]
+        assert store.find("acme", ask, 2) == [(old.id, 2)] and store.find("globex", ask, 2) == []
+        new = store.open("new", "acme")
+        store.hold(new)
+        new.messages, new.turns = [{"role": "user", "content": "other"}, {"role": "assistant", "content": "x"}], 1
+        store.save(new)  # past max_sessions: `old` goes, and its index entries with it
+        store.release(new)
+        assert store.find("acme", ask, 2) == [] and r.hlen("ctxrelay-index-test:conv-prefix:acme") == 1
+    finally:
+        store.close()
 
 
 def test_a_conversation_moves_between_processes_and_models_and_outlives_a_killed_one(cluster):

@@ -34,7 +34,9 @@ def test_streamed_chat_equals_the_non_streamed_text(server):
     c = client(url)
     full = c.chat.completions.create(model=llama, messages=QUESTION, max_tokens=12)
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
-    assert full.ctxrelay["transport"] == "native" and "stateless" in full.ctxrelay["reason"]
+    # no conversation named and none stored begins these messages: a new one, read natively
+    assert full.ctxrelay["transport"] == "native" and "first turn" in full.ctxrelay["reason"]
+    assert full.ctxrelay["reuse"] == "none" and full.ctxrelay["conversation"].startswith("conv-")
     assert 0 <= full.usage.completion_tokens <= 12
     chunks = list(c.chat.completions.create(model=llama, messages=QUESTION, max_tokens=12, stream=True,
                                             stream_options={"include_usage": True}))  # fmt: skip
@@ -136,7 +138,7 @@ def test_curl_sees_plain_sse(server):
 
 def test_metrics_count_requests_and_turns(server):
     url, llama, _ = server
-    client(url).chat.completions.create(model=llama, messages=QUESTION, max_tokens=2)
+    client(url).chat.completions.create(model=llama, messages=QUESTION, max_tokens=2, extra_body={"store": False})
     text = httpx.get(url + "/metrics").text
     assert 'ctxrelay_requests_total{path="/v1/chat/completions",status="200"}' in text
     assert 'ctxrelay_ttft_seconds_count{receiver="' + llama + '",transport="native"}' in text

@@ -88,6 +88,10 @@ class Engine:
         """Requests admitted and not finished."""
         return self._depth
 
+    def idle(self) -> bool:
+        """No request but the caller's admitted and no state being built."""
+        return self._depth <= 1 and self.states.pending == 0
+
     def state_prefill(self, model: str, text: str, tenant: str, own, cancel: Cancel):
         """The state a turn leaves (state_builder.Prefill): read by ctxrelay's runner here."""
         return self.states.runner_prefill(model, text, tenant, own, cancel)

@@ -62,6 +62,11 @@ class Metrics:
             "ctxrelay_state_build_seconds", "A conversation state's build (compute only), after the reply",
             ["made"], buckets=TTFT_BUCKETS, registry=r,
         )  # fmt: skip
+        # chat requests that looked for a stored prefix of their messages (reuse.py): hit, a state was read
+        self.content_reuse = Counter(
+            "ctxrelay_content_reuse_total", "Chat requests looked up in the content index (hit: a stored state read)",
+            ["result"], registry=r,
+        )  # fmt: skip
         self.state_build_failures = Counter(
             "ctxrelay_state_build_failures_total", "Conversation states not built (the next turn prefills)", registry=r
         )

@@ -1,10 +1,13 @@
 """The OpenAI API: GET /v1/models, POST /v1/chat/completions and /v1/completions, streamed or not.
 
 What ctxrelay adds rides in fields the openai client passes through (`extra_body=`):
-`conversation` ("new" starts one; its id continues it; or the X-Conversation-Id header) and
-`transport` ("auto" by default, or a transport name, or "native"); OpenAI's `store: false` opts a
-chat turn out of leaving a state for a next turn. Each response carries a
-`ctxrelay` field (transport, reason, TTFT and its components, the conversation id) and the
+`conversation` ("new" starts one; its id, or an id the client chooses, names it; also `conversation_id`
+and the X-Conversation-Id and X-Session-ID headers) and `transport` ("auto" by default, or a transport
+name, or "native"). A chat request that names no conversation continues the tenant's stored one its
+messages begin with, found by content (reuse.py); OpenAI's `store: false` opts it out (nothing looked
+up or kept) and a named conversation's turn out of leaving a state for a next turn. Each response carries a
+`ctxrelay` field (transport, reason, TTFT and its components, the conversation id, how a stored state was
+found: `reuse`) and the
 X-Ctxrelay-* headers; a stream sends the `ctxrelay` field in its last chunk, since its headers
 leave before the turn runs. Temperature defaults to 0 (greedy). The sampling fields, logprobs and
 the fields refused are fields.py's.
@@ -34,7 +37,8 @@ from ctxrelay.serve.chat import normalise
 from ctxrelay.serve.engine import Engine, Prompt, Served
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.fields import chat_logprobs, completion_logprobs, refuse_unsupported, sampling_of
-from ctxrelay.serve.sessions import Conversations, Session
+from ctxrelay.serve.reuse import NONE, Finder, Found
+from ctxrelay.serve.sessions import Conversations, Session, checked_id
 from ctxrelay.serve.streaming import TextDeltas, sse, stream
 from ctxrelay.serve.turns import Turn
 
@@ -72,8 +76,9 @@ class ChatRequest(_Generate):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    conversation: str | None = None  # ctxrelay: "new", or an id this server issued
-    store: bool = True  # false: the turn leaves no state for a next turn (nothing is built after the reply)
+    conversation: str | None = None  # ctxrelay: "new", an id this server issued, or one the client chooses
+    conversation_id: str | None = None  # the same, as some clients name it
+    store: bool = True  # false: the turn leaves no state for a next turn; without an id, nothing is looked up
 
 
 class CompletionRequest(_Generate):
@@ -102,6 +107,7 @@ def usage(s: Served) -> dict:
 def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits: Limits) -> APIRouter:
     api = APIRouter(prefix="/v1")
     Tenant = Depends(tenant_of)
+    finder = Finder(sessions, engine.states, engine.pool, engine.metrics)
 
     def checked(req: _Generate, max_tokens: int | None, logprobs: int | None) -> tuple[int, Sampling]:
         engine.model_or_404(req.model)
@@ -133,21 +139,32 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
         max_tokens, sampling = checked(req, req.max_completion_tokens or req.max_tokens,
                                        (req.top_logprobs or 0) if req.logprobs else None)  # fmt: skip
         tok = engine.pool.models[req.model].tokenizer
-        conv = _conversation(req.conversation, request.headers.get("x-conversation-id"))
-        held = _Held(engine, sessions, engine.admit())  # 429 here, on the event loop
+        conv = _conversation(
+            req.conversation, req.conversation_id, request.headers.get("x-conversation-id"),
+            request.headers.get("x-session-id"),
+        )  # fmt: skip
+        held = _Held(engine, finder, engine.admit())  # 429 here, on the event loop
         base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": req.model}
+        messages: list[dict[str, str]] = []
 
         def prepare() -> Prompt:  # in the turn's thread: the conversation store, the template, the tokenizer
-            messages = normalise(req.messages)
-            if conv:
-                held.hold(sessions.open(conv, tenant))
-            return engine.plan_chat(req.model, messages, held.session, max_tokens)
+            messages.extend(normalise(req.messages))
+            held.found = finder.open(tenant, conv, messages, req.store)  # by id and content, held
+            return engine.plan_chat(req.model, messages, held.found.planned(), max_tokens)
 
         def work(prompt: Prompt, on_token, cancel) -> Served:
+            if not finder.seed(held.found, cancel):  # the reused state was not at hand: the whole request is new
+                prompt = engine.plan_chat(req.model, messages, held.session, max_tokens)
+            # a conversation begun without an id is kept for reuse by content, but its state (a second read of
+            # the transcript) is built only when no other request is in: stateless traffic under load is not
+            # read twice
+            keep = req.store and (conv is not None or held.found.by != NONE or engine.idle())
             opts = dict(max_tokens=max_tokens, temperature=sampling.temperature, transport=req.transport,
-                        sampling=sampling, store=req.store)  # fmt: skip
+                        sampling=sampling, store=keep)  # fmt: skip
             # the engine saves the conversation before the reply leaves (the next turn may go to another process)
-            return engine.chat(tenant, prompt, held.session, on_token=on_token, cancel=cancel, **opts)
+            served = engine.chat(tenant, prompt, held.session, on_token=on_token, cancel=cancel, **opts)
+            finder.report(held.found, served.report)
+            return served
 
         turn = Turn(prepare, work, held.release, engine.metrics)
         if req.stream:
@@ -179,7 +196,7 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1 or not prompts[0]:
             raise ApiError(400, "prompt must be one non-empty string", param="prompt")
-        held = _Held(engine, sessions, engine.admit())
+        held = _Held(engine, finder, engine.admit())
         base = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
                 "model": req.model}  # fmt: skip
 
@@ -216,29 +233,33 @@ def _body(model: type[BaseModel]) -> dict:
     return {"requestBody": schema}
 
 
-def _conversation(field: str | None, header: str | None) -> str | None:
-    if field and header and field != header:
-        raise ApiError(400, "the conversation field and the X-Conversation-Id header name different conversations")
-    return field or header
+def _conversation(*named: str | None) -> str | None:
+    """The conversation a chat request names: the `conversation` or `conversation_id` field, or the
+    X-Conversation-Id or X-Session-ID header (400 where two name different ones, or an id is malformed)."""
+    ids = {n for n in named if n}
+    if len(ids) > 1:
+        raise ApiError(400, "the conversation fields and headers name different conversations", param="conversation")
+    return checked_id(ids.pop()) if ids else None
 
 
 class _Held:
-    """What a request holds: its queue slot, and its conversation once taken (one turn at a time)."""
+    """What a request holds: its queue slot, and its conversation once found (one turn at a time)."""
 
-    def __init__(self, engine: Engine, sessions: Conversations, release_slot: Callable[[], None]):
-        self.engine, self.sessions, self.release_slot = engine, sessions, release_slot
-        self.session: Session | None = None
+    def __init__(self, engine: Engine, finder: Finder, release_slot: Callable[[], None]):
+        self.engine, self.finder, self.release_slot = engine, finder, release_slot
+        self.found: Found | None = None
 
-    def hold(self, session: Session) -> None:
-        self.sessions.hold(session)  # 409 while another turn of it runs
-        self.session = session
+    @property
+    def session(self) -> Session | None:
+        return self.found.session if self.found is not None else None
 
     def release(self) -> None:
         self.release_slot()
-        if self.session is not None:
-            self.sessions.release(self.session)
-            self.engine.metrics.sessions.set(len(self.sessions))
-            self.engine.metrics.state_bytes.set(self.sessions.trim())
+        if self.found is not None:
+            self.finder.release(self.found)
+            sessions = self.finder.sessions
+            self.engine.metrics.sessions.set(len(sessions))
+            self.engine.metrics.state_bytes.set(sessions.trim())
 
 
 async def _finished(turn: Turn, request: Request) -> Served:

@@ -21,7 +21,10 @@ data, keyed so that other engines can read them (no Python objects):
 - `ctxrelay:conv-lru`: record keys by last use; past `max_sessions` the least recently used
   conversations go (their id then answers 404 like any unknown one);
 - `ctxrelay:conv-state-refs`: how many records name each state (conversations with the same
-  transcript on the same model share one); a state goes when no record names it any more.
+  transcript on the same model share one); a state goes when no record names it any more;
+- `ctxrelay:conv-prefix:<tenant>`: the tenant's content index (content_index.py), a hash from a message
+  list ending with a reply to the conversation holding it; written after each save, its entries of a
+  conversation dropped past `max_sessions` removed (a stale entry is a miss: the reader compares messages).
 
 The record is read again once the lock is taken (another process may have served a turn since
 `open`), and `save` writes it only while the lock is still this turn's (one Lua script). The state a
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import secrets
 import threading
 import time
@@ -46,16 +48,28 @@ from dataclasses import dataclass
 
 from ctxrelay.errors import UsageError
 from ctxrelay.relay.store import RedisStore, StateKey, StateStore, StoreUnavailable, TieredStore
+from ctxrelay.serve.content_index import Messages, RedisIndex
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import CountedStore
-from ctxrelay.serve.sessions import DROPPED, NEW, Built, Conversations, Session, SessionStore, busy, new_id, unknown
+from ctxrelay.serve.sessions import (
+    DROPPED,
+    ISSUED,
+    NEW,
+    Built,
+    Conversations,
+    Session,
+    SessionStore,
+    busy,
+    chosen,
+    new_id,
+    unknown,
+)
 from ctxrelay.state import ContextState
 
 log = logging.getLogger("ctxrelay.serve")
 
 VERSION = 1
 GONE = "the process building the conversation's state went away before it was stored"
-_ID = re.compile(r"conv-[A-Za-z0-9_-]{1,64}")  # what new_id issues; anything else is unknown
 
 # only the holder of the lock's token extends it, releases it or writes what it guards
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
@@ -103,6 +117,7 @@ class RedisSessionStore:
         self._errors = (redis.exceptions.RedisError, OSError)
         scripts = (_RENEW, _UNLOCK, _SAVE, _UNREF)
         self._renew, self._unlock, self._save, self._unref = (client.register_script(s) for s in scripts)
+        self.index = RedisIndex(client, prefix)
         self._turns: dict[str, _Turn] = {}  # lock key -> the turn this process runs under it
         self._builds: dict[str, str] = {}  # build lease key -> its token, for the states this process builds
         self._mutex = threading.Lock()
@@ -142,12 +157,19 @@ class RedisSessionStore:
     # ---- the turn -----------------------------------------------------------------------------
 
     def open(self, conversation: str, tenant: str) -> Session:
-        """A new session for "new" (stored by its first turn's save), else the tenant's own (404 otherwise)."""
+        """A new session for "new" or a client-chosen id with no record yet (stored by its first turn's save),
+        else the tenant's own (404 otherwise)."""
         if conversation == NEW:
             return Session(new_id(), tenant)
         s = Session(conversation, tenant)
-        self._load_record(s)
+        if self._load_record(s, missing_ok=chosen(conversation)) is _MISSING:
+            return Session(conversation, tenant)
         return s
+
+    def find(self, tenant: str, messages: Messages, limit: int) -> list[tuple[str, int]]:
+        """The tenant's conversations whose messages begin `messages` (by the content index: the caller
+        compares the messages), as (id, how many), longest first, at most `limit` messages."""
+        return self._call("read the content index", self.index.find, tenant, messages, limit)
 
     def hold(self, s: Session) -> None:
         """Take the conversation's lock (409 while another process or request holds it), then read
@@ -158,8 +180,12 @@ class RedisSessionStore:
         with self._mutex:
             self._turns[lock] = _Turn(token)
         try:
-            if s.turns:  # a conversation that has a record: what the last turn, on any process, saved
-                self._load_state(s, self._load_record(s))
+            # a conversation that has a record (a client-chosen id may have got one since `open`): what the
+            # last turn, on any process, saved
+            if s.turns or chosen(s.id):
+                key = self._load_record(s, missing_ok=chosen(s.id))
+                if key is not _MISSING:
+                    self._load_state(s, key)
         except BaseException:
             self.release(s)
             raise
@@ -193,6 +219,10 @@ class RedisSessionStore:
             raise ApiError(409, why + ", send it again")
         if isinstance(done, bytes):
             self._forget_state(_key(done.decode()))  # no conversation names it any more
+        try:  # after the record: an entry always names a conversation that holds what it says
+            self.index.put(s.tenant, s.id, s.messages)
+        except self._errors as e:  # the turn is saved; only its reuse by content is lost
+            log.warning("conversation %s: content index not written (%s)", s.id, e)
         self._bound()
 
     def release(self, s: Session) -> None:
@@ -275,12 +305,15 @@ class RedisSessionStore:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _load_record(self, s: Session) -> StateKey | None:
-        """Fill `s` from its record (404 when there is none for this tenant); returns the state key it names."""
+    def _load_record(self, s: Session, missing_ok: bool = False) -> StateKey | None | object:
+        """Fill `s` from its record (404 when there is none for this tenant, or _MISSING where `missing_ok`);
+        returns the state key it names."""
         raw = None
-        if _ID.fullmatch(s.id):
+        if ISSUED.fullmatch(s.id) or chosen(s.id):
             raw = self._call("read the conversation", self.client.get, self.record_key(s.tenant, s.id))
         if raw is None:
+            if missing_ok:
+                return _MISSING
             raise unknown(s.id)
         try:
             rec = json.loads(raw)
@@ -332,7 +365,10 @@ class RedisSessionStore:
             extra = int(self.client.zcard(self.lru_key)) - self.max_sessions
             for member, _ in self.client.zpopmin(self.lru_key, extra) if extra > 0 else []:
                 raw = self.client.getdel(member)
-                st = json.loads(raw)["state"] if raw else None
+                rec = json.loads(raw) if raw else None
+                if rec is not None:
+                    self.index.remove(rec["tenant"], rec["id"], rec["messages"])
+                st = rec["state"] if rec else None
                 key = None if st is None else StateKey(st["tenant"], st["content_hash"], st["model_hash"])
                 if key is not None and self._unref(keys=[self.refs_key], args=[_ref(key)]):
                     self._forget_state(key)
@@ -354,6 +390,9 @@ class RedisSessionStore:
                     self._renew(keys=[lock], args=[token, self.lock_ms])
                 except self._errors as e:
                     log.warning("conversation lock %s not renewed: %s", lock, e)
+
+
+_MISSING = object()  # _load_record: no record (a client-chosen id not used yet)
 
 
 def _ref(key: StateKey | None) -> str:

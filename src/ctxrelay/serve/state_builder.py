@@ -43,7 +43,10 @@ from ctxrelay.state import ContextState
 
 log = logging.getLogger("ctxrelay.serve")
 
-NOT_STORED = "the last turn was sent with store: false (it left no state)"
+NOT_STORED = (
+    "the last turn left no state (sent with store: false, or it began a conversation without an id while the "
+    "server was busy)"
+)
 OUTGREW = "the conversation outgrew the model's window (no state of it fits)"
 POLL_S = 0.05  # how often a turn waiting for another process's build reads the record again
 # (model, transcript text, tenant, the model's own last state or None, cancel) -> the state; takes the lock it needs
