@@ -74,19 +74,26 @@ def test_payload_is_refused_for_another_tenant_model_or_prompt(payload_file, cha
         KVPayload.load(path, prompt, change.get("weights", m.spec.weights_hash), change.get("tenant", "acme"))
 
 
-def _engine_checks(model: Path | str, out: Path, tokens: int) -> list[dict]:
+def _script_rows(script: str, model: Path | str, out: Path, tokens: int, checks: set[str] | None = None) -> list[dict]:
+    """Run one of the check scripts beside this file inside vLLM's venv; every row it writes must pass."""
     missing = _vllm_missing()
     if missing:
         pytest.skip(missing)
     res = subprocess.run(
-        [str(VLLM_PYTHON), str(CHECKS), str(model), str(out), "--tokens", str(tokens)],
+        [str(VLLM_PYTHON), str(CHECKS.with_name(script)), str(model), str(out), "--tokens", str(tokens)],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )  # fmt: skip
-    assert out.exists(), f"the engine checks wrote nothing (exit {res.returncode}):\n{res.stderr[-4000:]}"
+    assert out.exists(), f"{script} wrote nothing (exit {res.returncode}):\n{res.stderr[-4000:]}"
     rows = json.loads(out.read_text())["rows"]
+    if checks is not None:
+        assert {r["check"] for r in rows} == checks
     failed = [r for r in rows if not r["passed"]]
     assert not failed, json.dumps(failed, indent=1)
     return rows
+
+
+def _engine_checks(model: Path | str, out: Path, tokens: int) -> list[dict]:
+    return _script_rows(CHECKS.name, model, out, tokens)
 
 
 def tiny_engine_model(path: Path) -> Path:
@@ -159,23 +166,13 @@ def test_a_cross_family_relay_at_f1_through_vllm_equals_native(tmp_path):
     assert row["passed"], row["detail"]
 
 
+CAPTURE_CHECKS = {
+    "capture_equals_runner", "capture_after_prefix_hit", "capture_in_a_batch", "capture_refused_elsewhere"
+}  # fmt: skip
+
+
 def _capture_checks(model: Path | str, out: Path, tokens: int) -> list[dict]:
-    missing = _vllm_missing()
-    if missing:
-        pytest.skip(missing)
-    script = CHECKS.with_name("vllm_capture_checks.py")
-    res = subprocess.run(
-        [str(VLLM_PYTHON), str(script), str(model), str(out), "--tokens", str(tokens)],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
-    )  # fmt: skip
-    assert out.exists(), f"the capture checks wrote nothing (exit {res.returncode}):\n{res.stderr[-4000:]}"
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["check"] for r in rows} == {
-        "capture_equals_runner", "capture_after_prefix_hit", "capture_in_a_batch", "capture_refused_elsewhere"
-    }  # fmt: skip
-    failed = [r for r in rows if not r["passed"]]
-    assert not failed, json.dumps(failed, indent=1)
-    return rows
+    return _script_rows("vllm_capture_checks.py", model, out, tokens, CAPTURE_CHECKS)
 
 
 def test_tiny_model_kv_captured_inside_vllm_equals_the_runners(tmp_path):

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ctxrelay import tensorfile
-from ctxrelay.engines.kv_payload import token_digest
+from ctxrelay.engines.kv_payload import read_bound, token_digest
 from ctxrelay.engines.paged import slot_mapping
 from ctxrelay.errors import BindingError
 
@@ -62,17 +62,9 @@ class CapturedKV:
     def load(path: str | Path, token_ids: list[int], weights_hash: str, tenant: str) -> CapturedKV:
         """The capture at `path`, refused unless it is this owner's, of these weights and tenant, and of
         exactly `token_ids` (the prompt the router sent)."""
-        tensors, m = tensorfile.read(path, seal_mode="required", mapped=True)
-        if m.get("format") != FORMAT or m.get("version") != VERSION:
-            raise BindingError(f"{path} is not a ctxrelay engine capture of version {VERSION}")
-        if m["weights_hash"] != weights_hash:
-            raise BindingError(f"{path} holds K/V of other weights ({m['weights_hash'][:12]}), not this model's")
-        if m["tenant"] != tenant:
-            raise BindingError(f"{path} belongs to another tenant")
+        keys, values, m = read_bound(path, FORMAT, VERSION, "engine capture", weights_hash, tenant)
         if int(m["end"]) != len(token_ids) or token_digest(list(token_ids)) != m["token_digest"]:
             raise BindingError(f"{path} captured other tokens than the {len(token_ids)} of this prompt")
-        n = int(m["layers"])
-        keys, values = [tensors[f"k.{i}"] for i in range(n)], [tensors[f"v.{i}"] for i in range(n)]
         return CapturedKV(keys, values, int(m["start"]), list(token_ids), m["weights_hash"], m["tenant"])
 
 

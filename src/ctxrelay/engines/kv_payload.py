@@ -78,18 +78,25 @@ class KVPayload:
     def load(path: str | Path, token_ids: list[int], weights_hash: str, tenant: str) -> KVPayload:
         """The payload at `path`, refused unless it is this owner's (seal), of this model and tenant, and
         covers exactly the first tokens of `token_ids` (the request's prompt)."""
-        # mapped: written by this owner and replaced atomically, never truncated in place
-        tensors, m = tensorfile.read(path, seal_mode="required", mapped=True)
-        if m.get("format") != FORMAT or m.get("version") != VERSION:
-            raise BindingError(f"{path} is not a ctxrelay engine K/V file of version {VERSION}")
-        if m["weights_hash"] != weights_hash:
-            raise BindingError(f"{path} holds K/V of other weights ({m['weights_hash'][:12]}), not this model's")
-        if m["tenant"] != tenant:
-            raise BindingError(f"{path} belongs to another tenant")
+        keys, values, m = read_bound(path, FORMAT, VERSION, "engine K/V file", weights_hash, tenant)
         n = int(m["tokens"])
         if n > len(token_ids) or token_digest(list(token_ids[:n])) != m["token_digest"]:
             raise BindingError(f"{path} covers other tokens than this prompt's first {n}")
-        layers = int(m["layers"])
-        keys = [tensors[f"k.{i}"] for i in range(layers)]
-        values = [tensors[f"v.{i}"] for i in range(layers)]
         return KVPayload(keys, values, list(token_ids[:n]), m["weights_hash"], m["tenant"], bool(m["exact"]))
+
+
+def read_bound(
+    path: str | Path, fmt: str, version: int, what: str, weights_hash: str, tenant: str
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """Per-layer keys and values (`k.i`, `v.i`) and the manifest of a sealed K/V file, refused unless it is
+    this owner's, of this format, these weights and this tenant (the caller checks the tokens)."""
+    # mapped: written by this owner and replaced atomically, never truncated in place
+    tensors, m = tensorfile.read(path, seal_mode="required", mapped=True)
+    if m.get("format") != fmt or m.get("version") != version:
+        raise BindingError(f"{path} is not a ctxrelay {what} of version {version}")
+    if m["weights_hash"] != weights_hash:
+        raise BindingError(f"{path} holds K/V of other weights ({m['weights_hash'][:12]}), not this model's")
+    if m["tenant"] != tenant:
+        raise BindingError(f"{path} belongs to another tenant")
+    layers = int(m["layers"])
+    return [tensors[f"k.{i}"] for i in range(layers)], [tensors[f"v.{i}"] for i in range(layers)], m
