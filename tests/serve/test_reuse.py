@@ -219,8 +219,8 @@ def test_the_index_keys_replies_by_tenant_and_exact_content():
 
 
 def test_a_conversation_without_an_id_builds_its_state_only_when_the_server_is_idle(tiny_by_family):
-    """Stateless traffic under load is not read twice: the engine is idle with only the caller admitted and
-    no state being built, busy with a second request in."""
+    """Stateless traffic under load is not read twice: the engine is idle with only the caller admitted, busy
+    with a second request in."""
     from ctxrelay.relay import ModelPool
     from ctxrelay.serve.engine import Engine
     from ctxrelay.serve.metrics import Metrics

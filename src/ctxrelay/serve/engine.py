@@ -89,8 +89,9 @@ class Engine:
         return self._depth
 
     def idle(self) -> bool:
-        """No request but the caller's admitted and no state being built."""
-        return self._depth <= 1 and self.states.pending == 0
+        """No request admitted but the caller's (a state build in the background does not count: it runs
+        before the next request's turn anyway)."""
+        return self._depth <= 1
 
     def state_prefill(self, model: str, text: str, tenant: str, own, cancel: Cancel):
         """The state a turn leaves (state_builder.Prefill): read by ctxrelay's runner here."""
