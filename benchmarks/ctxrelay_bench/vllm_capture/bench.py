@@ -24,7 +24,6 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
 import torch
 from tqdm import tqdm
 
@@ -79,26 +78,13 @@ def bench(
     return path
 
 
-def _post(engine: VllmEngine, model: str, ids: list[int], salt: str, capture: Path | None) -> float:
-    """One request (one token decoded), sent -> answered."""
-    body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "cache_salt": salt}
-    if capture is not None:
-        body["kv_transfer_params"] = capture_params(capture, TENANT)
-    with httpx.Client(timeout=600) as client:
-        t = time.perf_counter()
-        r = client.post(engine.servers[model].url + "/v1/completions", json=body)
-        took = time.perf_counter() - t
-    r.raise_for_status()
-    return took
-
-
 def sender_rows(engine: VllmEngine, name: str, lengths: Sequence[int], repeats: int, opts: dict) -> list[dict]:
     m, server = engine.pool.models[name], engine.servers[name]
     if m.spec.family.qk_norm:
         raise UsageError(f"{name} normalises keys before RoPE: the engine cannot give its state (the runner does)")
     rows = []
     warm = tokenize_context(m, essay_haystack(m.tokenizer, 256, split="train", seed=1))[0].tolist()
-    _post(engine, name, warm, cache_salt(TENANT, uuid.uuid4().hex), None)
+    engine.read_once(name, warm, cache_salt(TENANT, uuid.uuid4().hex))
     for n in lengths:
         plain, cap, ratios, files, builds, runner_s, errs = [], [], [], [], [], [], []
         for i in tqdm(range(repeats), desc=f"{name} @ {n}", unit="pair"):
@@ -110,7 +96,7 @@ def sender_rows(engine: VllmEngine, name: str, lengths: Sequence[int], repeats: 
             for capture in order:
                 t = time.perf_counter()
                 salt = cache_salt(TENANT, uuid.uuid4().hex)
-                got[capture] = _post(engine, name, ids, salt, where if capture else None)
+                got[capture] = engine.read_once(name, ids, salt, capture_params(where, TENANT) if capture else None)
                 if capture:
                     wait_for_file(where, 60)
                     files.append(time.perf_counter() - t)
@@ -118,7 +104,7 @@ def sender_rows(engine: VllmEngine, name: str, lengths: Sequence[int], repeats: 
             plain.append(got[False])
             cap.append(got[True])
             ratios.append(got[True] / got[False] - 1)
-            state = engine._captured_state(m, text, TENANT, None, None)  # as the state builder makes it
+            state = engine.captured_state(m, text, TENANT, None, None)  # as the state builder makes it
             builds.append(state.meta["prefill_s"])
             if i < int(opts["runner_repeats"]):
                 with torch.inference_mode():

@@ -167,7 +167,7 @@ class VllmEngine(Engine):
         if not self.engine_reads_state(m, text):
             return super().state_prefill(model, text, tenant, own, cancel)
         try:
-            return self._captured_state(m, text, tenant, own, cancel)
+            return self.captured_state(m, text, tenant, own, cancel)
         except (ApiError, BindingError, TimeoutError) as e:
             log.warning("%s: the engine's capture failed (%s); the runner reads the transcript", model, e)
             return super().state_prefill(model, text, tenant, own, cancel)
@@ -188,7 +188,7 @@ class VllmEngine(Engine):
         n = len(context_ids(m, text))
         return engine_cost.total(n) <= runner_cost.total(n)
 
-    def _captured_state(
+    def captured_state(
         self, m: LoadedModel, text: str, tenant: str, own: ContextState | None, cancel: Cancel
     ) -> ContextState:
         model = m.spec.name
@@ -215,22 +215,27 @@ class VllmEngine(Engine):
 
     def capture(self, model: str, ids: list[int], tenant: str, salt: str) -> CapturedKV:
         """The engine prefills `ids` (one token decoded) and leaves their K/V; read here and removed."""
-        server = self.servers[model]
         path = self.payload_dir / f"capture-{uuid.uuid4().hex}.safetensors"
-        body = {
-            "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "cache_salt": salt,
-            "kv_transfer_params": capture_params(path, tenant),
-        }  # fmt: skip
         try:
-            r = self._http.post(server.url + "/v1/completions", json=body)
-            if r.status_code != 200:
-                raise ApiError(502, f"the vLLM engine of {model} answered {r.status_code}: {r.text[:300]!r}")
+            self.read_once(model, ids, salt, capture_params(path, tenant))
             wait_for_file(path, CAPTURE_WRITE_S)
             return CapturedKV.load(path, ids, self.pool.models[model].spec.weights_hash, tenant)
-        except httpx.HTTPError as e:
-            raise ApiError(502, f"the vLLM engine of {model} failed: {e}") from e
         finally:
             path.unlink(missing_ok=True)
+
+    def read_once(self, model: str, ids: list[int], salt: str, kv_transfer_params: dict | None = None) -> float:
+        """One request that only reads `ids` (one token decoded, not streamed): seconds sent -> answered."""
+        body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "cache_salt": salt}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        t = time.perf_counter()
+        try:
+            r = self._http.post(self.servers[model].url + "/v1/completions", json=body)
+        except httpx.HTTPError as e:
+            raise ApiError(502, f"the vLLM engine of {model} failed: {e}") from e
+        if r.status_code != 200:
+            raise ApiError(502, f"the vLLM engine of {model} answered {r.status_code}: {r.text[:300]!r}")
+        return time.perf_counter() - t
 
     def engine_facts(self, model: str) -> dict:
         s = self.servers[model]
