@@ -45,23 +45,29 @@ def test_a_family_with_k_norm_cannot_give_pre_norm_keys():
 
 
 def _feed(rec: Recorder, steps: list[CaptureStep], batch: list[tuple[CaptureStep | None, int]], keys, values,
-          layers: int, bs: int):  # fmt: skip
-    """One engine step: the batch's rows in the given order (a request's positions, or padding) per layer."""
+          layers: int, bs: int, group_of: list[int] | None = None):  # fmt: skip
+    """One engine step: the batch's rows in the given order (a request's positions, or padding) per layer; each
+    layer's slots come from its KV cache group's block table (`group_of`, all group 0 by default)."""
+    group_of = group_of or [0] * layers
     rec.begin(steps)
-    slots, krows, vrows = [], [], []
+    slots: dict[int, list[int]] = {g: [] for g in set(group_of)}
+    krows, vrows = [], []
     for step, pos in batch:
         if step is None:
-            slots.append(-1)
+            for g in slots:
+                slots[g].append(-1)
             any_keys = next(iter(keys.values()))
             krows.append(torch.zeros_like(any_keys[:, 0]))
             vrows.append(torch.zeros_like(any_keys[:, 0]))
             continue
-        slots.append(int(slot_mapping(step.block_ids, pos, pos + 1, bs)[0]))
+        for g in slots:
+            slots[g].append(int(slot_mapping(step.block_ids[g], pos, pos + 1, bs)[0]))
         krows.append(keys[step.req_id][:, pos])
         vrows.append(values[step.req_id][:, pos])
-    slot_t = torch.tensor(slots)
+    slot_t = {g: torch.tensor(v) for g, v in slots.items()}
     for i in range(layers):
-        rec.record(i, torch.stack([k[i] for k in krows]), torch.stack([v[i] for v in vrows]), slot_t)
+        g = group_of[i]
+        rec.record(i, torch.stack([k[i] for k in krows]), torch.stack([v[i] for v in vrows]), slot_t[g], g)
     rec.finish()
 
 
@@ -78,12 +84,12 @@ def test_recorder_keeps_each_requests_rows_across_chunks_and_batch_order(llama, 
     rec = Recorder(m.spec.weights_hash, bs)
     half = 20
     # request a starts at 8 (the prefix cache held 0..7); b from 0; both in two chunks, rows interleaved
-    s1 = [CaptureStep("a", str(tmp_path / "a.st"), "acme", ids_a, 8, 8, half - 8, blocks_a),
-          CaptureStep("b", str(tmp_path / "b.st"), "acme", ids_b, 0, 0, half, blocks_b)]  # fmt: skip
+    s1 = [CaptureStep("a", str(tmp_path / "a.st"), "acme", ids_a, 8, 8, half - 8, [blocks_a]),
+          CaptureStep("b", str(tmp_path / "b.st"), "acme", ids_b, 0, 0, half, [blocks_b])]  # fmt: skip
     rows1 = [(s1[1], p) for p in range(half)] + [(None, 0)] + [(s1[0], p) for p in range(8, half)][::-1]
     _feed(rec, s1, rows1, keys, values, m.spec.num_layers, bs)
-    s2 = [CaptureStep("b", str(tmp_path / "b.st"), "acme", ids_b, 0, half, nb - half, blocks_b),
-          CaptureStep("a", str(tmp_path / "a.st"), "acme", ids_a, 8, half, na - half, blocks_a)]  # fmt: skip
+    s2 = [CaptureStep("b", str(tmp_path / "b.st"), "acme", ids_b, 0, half, nb - half, [blocks_b]),
+          CaptureStep("a", str(tmp_path / "a.st"), "acme", ids_a, 8, half, na - half, [blocks_a])]  # fmt: skip
     rows2 = [(s2[1], p) for p in range(half, na)] + [(s2[0], p) for p in range(half, nb)]
     _feed(rec, s2, rows2, keys, values, m.spec.num_layers, bs)
     rec.join()
@@ -100,9 +106,33 @@ def test_recorder_keeps_each_requests_rows_across_chunks_and_batch_order(llama, 
     assert state.meta["extended_from"] == 8 and state.binding == a.binding
 
 
+def test_recorder_reads_each_layer_through_its_kv_cache_groups_block_table(llama, tmp_path):
+    """Under vLLM's hybrid KV manager a sliding-window layer's slots come from a block table of its own (the
+    null block where its window has passed): rows are found per group, never through another group's table."""
+    bs, m = 4, llama
+    a = capture_state(m, TEXT, "acme")
+    ka, va = _engine_keys(m, a)
+    n, ids, nblocks = a.num_tokens, a.tokens.tolist(), -(-a.num_tokens // 4)
+    full, sliding = list(range(10, 10 + nblocks)), list(range(500, 500 + nblocks))[::-1]
+    rec = Recorder(m.spec.weights_hash, bs)
+    half = 16
+    s1 = [CaptureStep("a", str(tmp_path / "a.st"), "acme", ids, 0, 0, half, [full, sliding])]
+    _feed(rec, s1, [(s1[0], p) for p in range(half)], {"a": ka}, {"a": va}, m.spec.num_layers, bs, [1, 0])
+    # the window has passed the first block: the sliding table holds the null block there from now on
+    later = [0, *sliding[1:]]
+    s2 = [CaptureStep("a", str(tmp_path / "a.st"), "acme", ids, 0, half, n - half, [full, later])]
+    _feed(rec, s2, [(s2[0], p) for p in range(half, n)][::-1], {"a": ka}, {"a": va}, m.spec.num_layers, bs, [1, 0])
+    rec.join()
+    got = CapturedKV.load(tmp_path / "a.st", ids, m.spec.weights_hash, "acme")
+    torch.testing.assert_close(torch.stack(got.keys)[:, :half], ka[:, :half])
+    # the second chunk came in reversed batch order; rows are put back by position
+    torch.testing.assert_close(torch.stack(got.keys)[:, half:], ka[:, half:])
+    torch.testing.assert_close(torch.stack(got.values), va)
+
+
 def test_recorder_refuses_a_step_whose_positions_are_not_in_the_batch(llama, tmp_path):
     rec = Recorder(llama.spec.weights_hash, 4)
-    rec.begin([CaptureStep("a", str(tmp_path / "a.st"), "acme", [1, 2, 3, 4, 5], 0, 0, 5, [7, 8])])
+    rec.begin([CaptureStep("a", str(tmp_path / "a.st"), "acme", [1, 2, 3, 4, 5], 0, 0, 5, [[7, 8]])])
     k = torch.zeros(3, llama.spec.num_kv_heads, llama.spec.head_dim)
     with pytest.raises(BindingError, match="not in this step"):
         rec.record(0, k, k, torch.tensor([28, 29, 30]))

@@ -96,26 +96,44 @@ def _engine_checks(model: Path | str, out: Path, tokens: int) -> list[dict]:
     return _script_rows(CHECKS.name, model, out, tokens)
 
 
-def tiny_engine_model(path: Path) -> Path:
-    """A random llama the engine accepts (head_dim 64), saved as an HF directory with its tokenizer; weights
-    scaled so greedy margins stand well above bf16 rounding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_engine_model(path: Path, family: str = "llama") -> Path:
+    """A random model the engine accepts (head_dim 64), saved as an HF directory with its tokenizer; weights
+    scaled so greedy margins stand well above bf16 rounding. `gemma3`: a sliding-window layer (window of one
+    128-token block) before a full one, so vLLM's hybrid KV manager keeps two block tables."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     tok = tiny_tokenizer("bytelevel")
-    cfg = LlamaConfig(
+    common = dict(
         vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, initializer_range=0.2,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False, torch_dtype="float32",
+        torch_dtype="float32",
     )  # fmt: skip
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    if family == "gemma3":
+        cfg = Gemma3TextConfig(**common, sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+                               query_pre_attn_scalar=64, tie_word_embeddings=False)  # fmt: skip
+        hf = Gemma3ForCausalLM(cfg)
+        with torch.no_grad():  # gemma norms are (1 + w), w = 0 at init: perturb them so they matter
+            for name, p in hf.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.2)
+    else:
+        hf = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    hf.eval().save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
 
 def test_tiny_model_relaying_its_own_kv_through_vllm_matches_native(tmp_path):
     _engine_checks(tiny_engine_model(tmp_path / "tiny"), tmp_path / "checks.json", tokens=300)
+
+
+def test_sliding_window_model_relays_its_own_kv_through_vllms_hybrid_kv_manager(tmp_path):
+    """The connector supports HMA: with a sliding-window layer vLLM keeps its hybrid KV manager, the window's
+    passed blocks are the null block (never written) and the relay stays exact."""
+    rows = _engine_checks(tiny_engine_model(tmp_path / "tiny-gemma3", "gemma3"), tmp_path / "checks.json", tokens=520)
+    assert "hybrid_kv_manager_kept" in {r["check"] for r in rows}
 
 
 @pytest.mark.real
@@ -177,6 +195,12 @@ def _capture_checks(model: Path | str, out: Path, tokens: int) -> list[dict]:
 
 def test_tiny_model_kv_captured_inside_vllm_equals_the_runners(tmp_path):
     _capture_checks(tiny_engine_model(tmp_path / "tiny"), tmp_path / "capture.json", tokens=300)
+
+
+def test_sliding_window_model_kv_captured_through_both_block_tables(tmp_path):
+    """Under vLLM's hybrid KV manager each layer's rows are found through its own group's block table (the
+    sliding one drops blocks its window has passed while the prefill goes on in chunks)."""
+    _capture_checks(tiny_engine_model(tmp_path / "tiny-gemma3", "gemma3"), tmp_path / "capture.json", tokens=520)
 
 
 @pytest.mark.real

@@ -10,6 +10,8 @@ own K/V to vLLM through the connector; vLLM computes only the rest. Checks, one 
   foreign_file_recomputed          a file of another tenant is refused and vLLM recomputes: native tokens
   relayed_then_native_same_prompt  native after a relayed request with the same prompt gets native tokens
                                    (the relay ran under its own cache salt: no prefix-cache crossing)
+  hybrid_kv_manager_kept           (models with sliding-window layers) vLLM kept its hybrid KV manager with
+                                   the connector loaded, and the relay through both block tables is exact
 """
 
 from __future__ import annotations
@@ -124,6 +126,13 @@ def main() -> int:
         {"check": "foreign_file_recomputed", "passed": foreign == native, "detail": f"other tenant gave {foreign}"},
         {"check": "relayed_then_native_same_prompt", "passed": again == native, "detail": f"native again {again}"},
     ]  # fmt: skip
+    windows = sorted({w for w in m.spec.sliding_windows if w})
+    if windows:  # the connector supports vLLM's hybrid KV manager: sliding layers keep a block table of their own
+        hybrid_off = bool(llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
+        state = "off" if hybrid_off else "on"
+        rows.append({"check": "hybrid_kv_manager_kept", "passed": not hybrid_off and same,
+                     "detail": f"sliding windows {windows} over {len(ids)} tokens: hybrid KV manager {state}, "
+                               f"relayed greedy tokens equal native: {same}"})  # fmt: skip
     for r in rows:
         r["transport"] = "self_kv"
         r["engine"] = "vllm"

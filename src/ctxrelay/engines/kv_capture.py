@@ -88,7 +88,7 @@ class CaptureStep:
     first: int  # the first prompt position the engine computes for this request (its prefix cache has the rest)
     start: int
     n: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group (a sliding-window group has a block table of its own)
 
     @property
     def last_step(self) -> bool:
@@ -108,14 +108,15 @@ class Recorder:
         self.weights_hash, self.block_size = weights_hash, block_size
         self._steps: list[CaptureStep] = []
         self._pending: dict[str, _Pending] = {}
-        self._rows: tuple[int, int, list[torch.Tensor]] | None = None  # (slot tensor ptr, its length, rows per step)
+        # rows per capture, per (slot tensor ptr, its length, KV cache group): layers of a group share the slots
+        self._rows: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         self._writers: list[threading.Thread] = []
 
     def begin(self, steps: list[CaptureStep], finished: set[str] = frozenset()) -> None:
         """This step's captures (the scheduler's metadata); requests that ended drop what they held."""
         for rid in finished:
             self._pending.pop(rid, None)
-        self._steps, self._rows = steps, None
+        self._steps, self._rows = steps, {}
         for s in steps:
             p = self._pending.get(s.req_id)
             if p is None or s.start == s.first:  # a new capture, or a preempted one started over
@@ -125,19 +126,21 @@ class Recorder:
     def active(self) -> bool:
         return bool(self._steps)
 
-    def record(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        """One attention layer's new keys/values of the step ([tokens, kv_heads, d]) and their cache slots."""
-        rows = self._rows_of(slots)
+    def record(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, group: int = 0) -> None:
+        """One attention layer's new keys/values of the step ([tokens, kv_heads, d]) and their cache slots in
+        the block table of the layer's KV cache group."""
+        rows = self._rows_of(slots, group)
         for s, r in zip(self._steps, rows, strict=True):
             # indexing by rows copies: the engine reuses its key/value buffers next step
             self._pending[s.req_id].layers.setdefault(layer, []).append((key[r], value[r]))
 
-    def _rows_of(self, slots: torch.Tensor) -> list[torch.Tensor]:
-        """Batch rows of each capture's positions this step (once per step: every layer shares the slots)."""
-        if self._rows is not None and self._rows[:2] == (slots.data_ptr(), slots.numel()):
-            return self._rows[2]
+    def _rows_of(self, slots: torch.Tensor, group: int) -> list[torch.Tensor]:
+        """Batch rows of each capture's positions this step (once per step and group)."""
+        key = (slots.data_ptr(), slots.numel(), group)
+        if key in self._rows:
+            return self._rows[key]
         slots = slots.to(torch.long).cpu()
-        wanted = [slot_mapping(s.block_ids, s.start, s.start + s.n, self.block_size) for s in self._steps]
+        wanted = [slot_mapping(s.block_ids[group], s.start, s.start + s.n, self.block_size) for s in self._steps]
         top = int(max([int(slots.max()) if slots.numel() else -1, *(int(w.max()) for w in wanted if w.numel())]))
         row_of = torch.full((top + 1,), -1, dtype=torch.long)
         ok = slots >= 0  # padding slots are negative
@@ -146,7 +149,7 @@ class Recorder:
         for s, r in zip(self._steps, rows, strict=True):
             if bool((r < 0).any()):
                 raise BindingError(f"capture of request {s.req_id}: positions not in this step's batch")
-        self._rows = (slots.data_ptr(), slots.numel(), rows)
+        self._rows[key] = rows
         return rows
 
     def finish(self) -> None:
@@ -160,7 +163,7 @@ class Recorder:
             t = threading.Thread(target=self._write, args=(p, s), name="ctxrelay-capture", daemon=True)
             t.start()
             self._writers.append(t)
-        self._steps, self._rows = [], None
+        self._steps, self._rows = [], {}
         self._writers = [t for t in self._writers if t.is_alive()]
 
     def _write(self, p: _Pending, last: CaptureStep) -> None:

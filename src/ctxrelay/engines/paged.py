@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# vLLM's block pool hands its first block out as the null block: a sliding-window group's table holds it
+# where the window has passed (nothing is stored there), and no request's real block has its id.
+NULL_BLOCK = 0
+
 
 def claimable(payload_tokens: int, prompt_tokens: int, block_size: int) -> int:
     """Prompt positions a K/V file of `payload_tokens` may fill: whole blocks, leaving the prompt's last token

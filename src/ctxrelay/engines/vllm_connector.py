@@ -9,8 +9,9 @@ of the engine's prefix cache. Scheduler side: claim the file's tokens, whole blo
 prompt's last token (vLLM computes at least one). Worker side: write them through the engine's own
 cache-write op (`cpu_attn_reshape_and_cache`: on AMX machines the cache rows are packed for the AMX
 kernel, so the cache is never indexed directly). A file that is missing, foreign, of another model or
-tenant, or of other tokens is reported through `get_block_ids_with_load_errors`, and with
-`kv_load_failure_policy="recompute"` vLLM computes those tokens itself: never a wrong answer.
+tenant, or of other tokens is reported through `get_block_ids_with_load_errors` (per request where the model
+has several KV cache groups), and with `kv_load_failure_policy="recompute"` vLLM computes those tokens
+itself: never a wrong answer.
 
 A request marked for capture (`capture_params`: a relay source) leaves its prompt's K/V in a sealed file
 for the router (engines/kv_capture.py): the scheduler side tells the worker which prompt positions each
@@ -35,13 +36,15 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorTransferResults,
+        SupportsHMA,
     )
 except ImportError as e:  # the one module of ctxrelay that needs the engine
     raise ImportError(f"ctxrelay's vLLM connector needs vLLM: pip install 'ctxrelay[vllm]' or `make vllm` ({e})") from e
 
 from ctxrelay.engines.kv_capture import CaptureStep, Recorder
 from ctxrelay.engines.kv_payload import KVPayload
-from ctxrelay.engines.paged import claimable, slot_mapping
+from ctxrelay.engines.paged import NULL_BLOCK, claimable, slot_mapping
 from ctxrelay.engines.vllm_idle import cap_idle_spin
 from ctxrelay.engines.vllm_params import CAPTURE, PARAM, cpu_engine_env, transfer_config, transfer_params
 from ctxrelay.errors import CtxrelayError
@@ -67,7 +70,8 @@ class Load:
     token_ids: list[int]
     start: int  # first position to write (the prefix cache may hold the ones before)
     end: int  # one past the last claimed position
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group (one, or a full and a sliding-window group under HMA)
+    per_request: bool = False  # loaded while the request waits; success or failure reported per request
 
 
 @dataclass
@@ -83,11 +87,18 @@ class _Capturing:
 
     params: dict
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     first: int
 
 
-class CtxrelayConnector(KVConnectorBase_V1):
+def _groups(block_ids: Any) -> list[list[int]]:
+    return [list(b) for b in block_ids or ()]
+
+
+class CtxrelayConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports vLLM's hybrid KV cache manager (HMA): a model with sliding-window layers (gemma3) keeps one
+    block table per KV cache group, and positions a sliding window has left hold the null block."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
@@ -98,6 +109,16 @@ class CtxrelayConnector(KVConnectorBase_V1):
         self._capture_params: dict[str, dict] = {}  # scheduler: req id -> params, until its first schedule
         self._capturing: dict[str, _Capturing] = {}
         self._recorder = Recorder(self.weights_hash, self.block_size)  # worker
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        self._group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        # Block ids are unique only within a group: with several groups vLLM cannot take failed blocks
+        # (`get_block_ids_with_load_errors` would stop the engine), only failed requests of asynchronous
+        # loads. So there the request waits one step while the worker loads, and a failed load is recomputed.
+        self._per_request = len(groups) > 1
+        self._waiting_loads: list[Load] = []  # scheduler: per-request loads to send with the next step
+        self._load_failed: set[str] = set()  # scheduler: requests whose load failed: the engine computes them
+        self._received: set[str] = set()  # worker: per-request loads done this step
+        self._failed: set[str] = set()  # worker: per-request loads that failed this step
         self._wrapped = False
         cap = cap_idle_spin()  # in the worker's process: its idle spin would take a core from the router
         if cap is not None:
@@ -109,30 +130,33 @@ class CtxrelayConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         if params.get(CAPTURE):
             self._capture_params[request.request_id] = params
-        if not params.get(PARAM):
+        if not params.get(PARAM) or request.request_id in self._load_failed:
             return 0, False
         end = claimable(int(params.get("tokens", 0)), len(request.prompt_token_ids or []), self.block_size)
         if end <= num_computed_tokens:
             return 0, False
         self._claimed[request.request_id] = (params, num_computed_tokens, end)
-        return end - num_computed_tokens, False
+        return end - num_computed_tokens, self._per_request
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
             self._claimed.pop(request.request_id, None)
+        elif self._per_request and request.request_id in self._claimed:
+            self._waiting_loads.append(
+                self._load(request.request_id, request.prompt_token_ids, blocks.get_block_ids(), per_request=True)
+            )
+
+    def _load(self, rid: str, prompt: Any, block_ids: Any, per_request: bool = False) -> Load:
+        params, start, end = self._claimed.pop(rid)
+        tenant = str(params.get("tenant", ""))
+        return Load(rid, str(params[PARAM]), tenant, list(prompt or []), start, end, _groups(block_ids), per_request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = CtxrelayMetadata()
+        meta = CtxrelayMetadata(loads=self._waiting_loads)
+        self._waiting_loads = []
         for new in scheduler_output.scheduled_new_reqs:
-            claim = self._claimed.pop(new.req_id, None)
-            if claim is None:
-                continue
-            params, start, end = claim
-            prompt = list(new.prompt_token_ids or [])
-            meta.loads.append(
-                Load(new.req_id, str(params[PARAM]), str(params.get("tenant", "")), prompt, start, end,
-                     list(new.block_ids[0]))
-            )  # fmt: skip
+            if new.req_id in self._claimed:
+                meta.loads.append(self._load(new.req_id, new.prompt_token_ids, new.block_ids))
         self._capture_steps(scheduler_output, meta)
         meta.finished = set(scheduler_output.finished_req_ids)
         return meta
@@ -142,7 +166,7 @@ class CtxrelayConnector(KVConnectorBase_V1):
         for new in out.scheduled_new_reqs:
             params = self._capture_params.pop(new.req_id, None)
             if params is not None:
-                prompt, blocks = list(new.prompt_token_ids or []), list(new.block_ids[0])
+                prompt, blocks = list(new.prompt_token_ids or []), _groups(new.block_ids)
                 self._capturing[new.req_id] = _Capturing(params, prompt, blocks, new.num_computed_tokens)
                 self._capture_step(new.req_id, new.num_computed_tokens, out, meta)
         cached = out.scheduled_cached_reqs
@@ -152,9 +176,10 @@ class CtxrelayConnector(KVConnectorBase_V1):
                 continue
             blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:  # preempted, blocks freed: read again from where it resumes
-                c.block_ids, c.first = list(blocks[0]) if blocks else [], cached.num_computed_tokens[i]
+                c.block_ids, c.first = _groups(blocks), cached.num_computed_tokens[i]
             elif blocks:
-                c.block_ids += list(blocks[0])
+                added = _groups(blocks)
+                c.block_ids = [a + b for a, b in zip(c.block_ids or [[] for _ in added], added, strict=True)]
             self._capture_step(rid, cached.num_computed_tokens[i], out, meta)
 
     def _capture_step(self, rid: str, start: int, out: SchedulerOutput, meta: CtxrelayMetadata) -> None:
@@ -163,16 +188,25 @@ class CtxrelayConnector(KVConnectorBase_V1):
         if n > 0:
             meta.captures.append(
                 CaptureStep(rid, str(c.params[CAPTURE]), str(c.params.get("tenant", "")), c.token_ids, c.first, start,
-                            n, list(c.block_ids))
+                            n, [list(b) for b in c.block_ids])
             )  # fmt: skip
         if start + n >= len(c.token_ids):
             del self._capturing[rid]
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._load_failed |= set(connector_output.failed_recving or ())  # never claimed again: computed instead
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._load_failed.discard(request.request_id)
         self._claimed.pop(request.request_id, None)
         self._capture_params.pop(request.request_id, None)
         self._capturing.pop(request.request_id, None)
-        return False, None
+        return False, None  # loads and captures are done within the steps: blocks are freed at once
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
 
     # ---- worker side ---------------------------------------------------------------------------------
 
@@ -194,9 +228,12 @@ class CtxrelayConnector(KVConnectorBase_V1):
             if update is None or found is None or getattr(impl, "_ctxrelay_wrapped", False):
                 continue
 
-            def wrapped(layer, key, value, kv_cache, slots, *a, _update=update, _i=int(found.group(1)), **kw):
+            def wrapped(
+                layer, key, value, kv_cache, slots, *a, _update=update, _i=int(found.group(1)),
+                _g=self._group_of.get(name, 0), **kw,
+            ):  # fmt: skip
                 if self._recorder.active:
-                    self._recorder.record(_i, key, value, slots)
+                    self._recorder.record(_i, key, value, slots, _g)
                 return _update(layer, key, value, kv_cache, slots, *a, **kw)
 
             impl.do_kv_cache_update = wrapped
@@ -210,16 +247,21 @@ class CtxrelayConnector(KVConnectorBase_V1):
             try:
                 payload = KVPayload.load(load.path, load.token_ids, self.weights_hash, load.tenant)
                 self._write(forward_context, load, payload)
+                if load.per_request:
+                    self._received.add(load.req_id)
             except (CtxrelayError, OSError, KeyError, IndexError, ValueError) as e:
                 log.warning("ctxrelay K/V for request %s not loaded (%s): the engine computes it", load.req_id, e)
+                if load.per_request:
+                    self._failed.add(load.req_id)
+                    continue
                 first, last = load.start // self.block_size, (load.end - 1) // self.block_size
-                self._load_errors.update(load.block_ids[first : last + 1])
+                self._load_errors.update(load.block_ids[0][first : last + 1])
 
     def _write(self, forward_context: ForwardContext, load: Load, payload: KVPayload) -> None:
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        slots = slot_mapping(load.block_ids, load.start, load.end, self.block_size)
+        slots = [slot_mapping(b, load.start, load.end, self.block_size) for b in load.block_ids]
         for name, layer in forward_context.no_compile_layers.items():
             kv_cache = getattr(layer, "kv_cache", None)
             found = LAYER_INDEX.search(name)
@@ -230,10 +272,13 @@ class CtxrelayConnector(KVConnectorBase_V1):
             i = int(found.group(1))
             num_blocks, kv_heads, block_size, fused = kv_cache.shape
             key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, block_size * 2, fused // 2).chunk(2, dim=2)
-            k = payload.keys[i][load.start : load.end].to(kv_cache.dtype)
-            v = payload.values[i][load.start : load.end].to(kv_cache.dtype)
+            # a sliding-window group holds the null block where the window has passed: nothing is written there
+            group_slots = slots[self._group_of.get(name, 0)]
+            live = group_slots // self.block_size != NULL_BLOCK
+            k = payload.keys[i][load.start : load.end][live].to(kv_cache.dtype)
+            v = payload.values[i][load.start : load.end][live].to(kv_cache.dtype)
             isa = getattr(layer, "isa", None) or _get_attn_isa(kv_cache.dtype, block_size, fused // 2)
-            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, group_slots[live], isa)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -243,6 +288,12 @@ class CtxrelayConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._recorder.finish()  # after the step's forward: captures whose prompt was read to its end are written
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Per-request loads of this step: a failed one is also finished (vLLM then recomputes its tokens)."""
+        done, failed = self._received | self._failed, self._failed
+        self._received, self._failed = set(), set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
