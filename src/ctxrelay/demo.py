@@ -284,7 +284,10 @@ def _row(cfg: DemoConfig, state, receiver: str, native: RelayResult, relay: Rela
 
 def print_table(console: Console, rows: list[dict], gold: str | None) -> None:
     title = "receivers answering from the sender's state" + (f" (gold: {gold})" if gold else "")
-    table = Table(title=title, show_lines=True, width=TABLE_WIDTH)
+    # the user's engine is the baseline that counts: say which native these ratios are against
+    caption = ("native and TTFT on ctxrelay's own runner, a reference: against vLLM's prefill, the engine users "
+               "run, see `ctxrelay bench vllm-relay` (docs/vllm.md)")  # fmt: skip
+    table = Table(title=title, caption=caption, show_lines=True, width=TABLE_WIDTH)
     # one answer column (the native answer beneath it only where it differs): two answer columns
     # folded a 15-character passphrase in half at this width
     for col, width in (("receiver", 18), ("via", 10), ("f", 4), ("TTFT", 5), ("native", 6), ("x", 4),

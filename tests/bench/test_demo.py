@@ -59,6 +59,8 @@ def test_table_shows_the_native_answer_only_where_the_relay_differs():
     assert max(len(line) for line in out.splitlines()) <= 100
     assert "Copper-heron-42 " in out  # a passphrase is not folded in half
     assert out.count("native: ") == 1 and "native: It is" in out and "F1 0.40" in out and "wrong" in out
+    flat = " ".join(out.split())
+    assert "ctxrelay's own runner, a reference" in flat and "ctxrelay bench vllm-relay" in flat  # which native
 
 
 def test_demo_on_the_users_own_document(pool, tmp_path):
