@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from ctxrelay.relay import ModelPool
 from ctxrelay.relay.graph import Profile
 from ctxrelay.serve.app import Settings, create_app
-from ctxrelay.serve.chat import GENERATION_PROMPT, render, transcript
+from ctxrelay.serve.chat import GENERATION_PROMPT, render, render_turn, transcript
 from ctxrelay.serve.errors import ApiError
 
 TURN = [{"role": "user", "content": " Hi there "}]
@@ -38,6 +38,27 @@ def test_a_tokenizers_own_template_renders_the_turn_without_a_second_bos(tiny_by
     assert render(llama, TURN, after_context=True) == turn  # never a BOS mid-sequence
     with pytest.raises(ApiError, match="chat template of tiny-templated refused"):
         render(gemma, [{"role": "assistant", "content": "x"}], after_context=False)
+
+
+# SmolLM2's and Qwen2.5's shape: a default system prompt where the messages open without one
+DEFAULT_SYSTEM = (
+    "{% if messages[0]['role'] != 'system' %}<|system|> Be brief. <|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_a_new_turn_after_the_history_gets_no_second_default_system_prompt(tiny_by_family):
+    tok = copy.deepcopy(tiny_by_family["gemma3"].tokenizer)
+    tok.chat_template = DEFAULT_SYSTEM
+    m = SimpleNamespace(tokenizer=tok, spec=SimpleNamespace(name="tiny-templated"))
+    history = [*TURN, {"role": "assistant", "content": "Hello."}]
+    new = [{"role": "user", "content": "And now?"}]
+    assert render(m, new, after_context=True).startswith("<|system|> Be brief.")  # rendered alone it would
+    assert render_turn(m, history, new) == "<|user|> And now? <|end|><|assistant|>"
+    assert render_turn(m, [], new) == render(m, new, after_context=False)
+    plain = tiny_by_family["llama"]  # no template: the transcript form, as before
+    assert render_turn(plain, history, new) == render(plain, new, after_context=True)
 
 
 @pytest.fixture(scope="module")

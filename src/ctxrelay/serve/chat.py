@@ -76,6 +76,23 @@ def render(
     return text
 
 
+def render_turn(m: LoadedModel, history: list[dict[str, str]], new: list[dict[str, str]]) -> str:
+    """The new turn after the conversation so far: what the receiver's chat template writes for the whole
+    conversation past what it writes for the history. A template that opens with a default system prompt
+    where the messages have none (SmolLM2's, Qwen2.5's) writes it once, at the start, not again before every
+    new turn. Where the whole render does not begin with the history's, the new messages are rendered alone."""
+    tok = m.tokenizer
+    if history and getattr(tok, "chat_template", None):
+        try:
+            before = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=False)
+            whole = tok.apply_chat_template([*history, *new], tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - the template's own checks: render() below says what it refused
+            before = whole = ""
+        if before and whole.startswith(before) and len(whole) > len(before):
+            return whole[len(before) :]
+    return render(m, new, after_context=bool(history))
+
+
 def prompt_ids(m: LoadedModel, messages: list[dict[str, str]], *, generation_prompt: bool = True) -> list[int]:
     """The receiver's own tokens of a whole conversation (its chat template over every message, read as a
     context): what a native prefill reads, what `usage.prompt_tokens` and /tokenize count whatever the

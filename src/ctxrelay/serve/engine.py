@@ -28,7 +28,7 @@ from ctxrelay.errors import UsageError
 from ctxrelay.models.sampling import Sampling
 from ctxrelay.models.tokens import context_ids, suffix_ids
 from ctxrelay.relay.api import ModelPool, RelayResult, check_window
-from ctxrelay.serve.chat import prompt_ids, render, transcript
+from ctxrelay.serve.chat import prompt_ids, render_turn, transcript
 from ctxrelay.serve.compute import Cancel, ComputeLock
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.metrics import Metrics
@@ -155,7 +155,7 @@ class Engine:
         if not new:
             raise ApiError(400, "no new message: the request only repeats the conversation so far", param="messages")
         m = self.pool.models[model]
-        rendered = render(m, new, after_context=bool(history))
+        rendered = render_turn(m, history, new)
         if history:  # the history is relayed or prefilled as context, the new turn read after it
             p = Prompt(model, history, new, transcript(history), rendered, len(suffix_ids(m, rendered)))
         else:
