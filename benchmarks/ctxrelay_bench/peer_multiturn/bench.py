@@ -37,10 +37,10 @@ from ctxrelay_bench.peer_multiturn.alternation import alternate
 from ctxrelay_bench.peer_multiturn.proxy import RecordingProxy
 from ctxrelay_bench.runs import bench_options, wait_until_quiet
 
-OPTIONS = {"modes": "reuse,no_reuse", "port": 8395, "proxy_port": 8396, "start_s": 300.0, "conversations": 4,
+OPTIONS = {"modes": "reuse,no_reuse", "port": 8395, "proxy_port": 8396, "start_s": 300.0, "conversations": 3,
            "min_messages": 6, "max_messages": 8, "prefix_tokens": 1024, "input_min": 48, "input_max": 64,
            "output_tokens": 32, "seed": 0, "client_timeout_s": 900, "template_slack": 8, "alternation": 1,
-           "alt_conversations": 2, "alt_turns": 4, "alt_doc_tokens": 4096, "alt_max_tokens": 16,
+           "alt_conversations": 1, "alt_turns": 4, "alt_doc_tokens": 4096, "alt_max_tokens": 16,
            "quiet_busy": 0.25, "quiet_wait_s": 600.0}  # fmt: skip
 TUNING_KEYS = keys_from(
     OPTIONS,
@@ -62,7 +62,7 @@ TUNING_KEYS = keys_from(
         "alternation": "1: run the openai-client driver alternating the two models; 0: skip it",
         "alt_conversations": "the driver's conversations",
         "alt_turns": "turns per driver conversation",
-        "alt_doc_tokens": "document tokens of its first turn (in the first model's tokenizer)",
+        "alt_doc_tokens": "its first turn's document tokens (first model's tokenizer); the gate's costs measured there",
         "alt_max_tokens": "max_tokens of its answers",
         "quiet_busy": "busy share of the cores under which the machine counts as quiet",
         "quiet_wait_s": "seconds to wait for a quiet machine first (its busy share is recorded)",
@@ -88,6 +88,37 @@ def source_text(work: Path) -> Path:
     f = work / "essays-train.txt"
     f.write_text("\n\n".join(e.text for e in essays("train")))
     return f
+
+
+def gate_cache(models: list[str], length: int) -> Path:
+    """A cache folder of the bench's own for the server: the zoo's models (linked), the installed profile, and
+    the costs it lacks at `length` tokens (the models' native prefill, the edge's relay) measured into the copy,
+    so the gate decides on this machine's costs without the installed profile being touched. What was measured
+    is kept for the next run (measuring takes minutes), keyed by the installed profile and the models."""
+    import hashlib
+    import shutil
+    import sys
+
+    home, cache = paths.cache_dir(), paths.work_dir("peer", "server-cache")
+    cache.mkdir(parents=True, exist_ok=True)
+    if not (cache / "models").exists():
+        (cache / "models").symlink_to(home / "models")
+    installed = home / "profile.json"
+    key = (installed.read_bytes() if installed.exists() else b"") + f"{','.join(models)}@{length}".encode()
+    kept = paths.work_dir("peer", f"profile-{hashlib.sha256(key).hexdigest()[:16]}.json")
+    if kept.exists():
+        shutil.copy(kept, cache / "profile.json")
+        return cache
+    if installed.exists():
+        shutil.copy(installed, cache / "profile.json")
+    cmd = [sys.executable, "-m", "ctxrelay.cli", "profile", "--models", ",".join(models), "--lengths", str(length),
+           "--repeats", "1", "--only-missing", "--merge"]  # fmt: skip
+    done = subprocess.run(cmd, env={**os.environ, "CTXRELAY_CACHE": str(cache)}, capture_output=True, text=True,
+                          timeout=3600)  # fmt: skip
+    if done.returncode != 0:
+        raise UsageError(f"measuring the gate's costs failed: {done.stdout[-1500:]}{done.stderr[-1500:]}")
+    shutil.copy(cache / "profile.json", kept)
+    return cache
 
 
 def client_python() -> Path:
@@ -201,7 +232,9 @@ def bench(
     port = int(opts["port"])
     url = f"http://127.0.0.1:{port}"
     args = ["--models", ",".join(models), "--engine", "native", "--threads", str(threads)]
-    proc = serve_process(args, port, ",".join(f"{k}:peer{i}" for i, k in enumerate(keys)), float(opts["start_s"]))
+    cache = gate_cache(models, int(opts["alt_doc_tokens"]))
+    proc = serve_process(args, port, ",".join(f"{k}:peer{i}" for i, k in enumerate(keys)), float(opts["start_s"]),
+                         env={"CTXRELAY_CACHE": str(cache)})  # fmt: skip
     rows: list[dict] = []
     details: dict[str, dict] = {}
     try:
@@ -225,10 +258,19 @@ def bench(
 
 
 def warm_up(url: str, models: list[str], key: str) -> None:
-    """One short turn per model: the first turn of a process pays one-time costs no run should carry."""
+    """Per model, a stateless turn and a conversation of two turns resent whole (its own tenant): the first
+    turns of a process pay one-time costs (each path's first compute, a state build, the relay's reads)
+    that no run should carry."""
     import httpx
 
-    for m in models:
-        body = {"model": m, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "store": False}
+    def chat(model: str, messages: list[dict], **extra) -> str:
+        body = {"model": model, "messages": messages, "max_tokens": 4, **extra}
         r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=600)
         r.raise_for_status()
+        return r.json()["choices"][0]["message"]["content"]
+
+    for m in models:
+        chat(m, [{"role": "user", "content": "Say hi."}], store=False)
+        history = [{"role": "user", "content": f"Name a colour ({m})."}]
+        history += [{"role": "assistant", "content": chat(m, history)}, {"role": "user", "content": "Another?"}]
+        chat(m, history)

@@ -50,6 +50,10 @@ def turn_facts(turn: dict, count_tokens: Callable[[str], int]) -> dict:
         "reason": r.get("reason"), "relayed_from": r.get("relayed_from"), "prefilled_tokens": prefilled,
         "uncovered_tokens": uncovered, "overhead": None if prefilled is None else prefilled - uncovered,
         "ttft_ms": turn.get("ttft_ms"),
+        # the server's side of the client's TTFT: its compute, the wait for compute and for the state the
+        # previous turn left (built after that reply, off its request path)
+        "server_ttft_s": r.get("ttft_s"), "queue_wait_s": r.get("queue_wait_s"), "state_wait_s": r.get("state_wait_s"),
+        "state_made": r.get("state_made"), "state_build_s": r.get("state_build_s"),
     }  # fmt: skip
 
 
