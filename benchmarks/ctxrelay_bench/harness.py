@@ -68,16 +68,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_process(args: list[str], port: int, keys: str, wait_s: float) -> subprocess.Popen:
+def serve_process(
+    args: list[str], port: int, keys: str, wait_s: float, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """`ctxrelay serve ARGS --port PORT` as a process of its own with API keys `keys` (key:tenant,...), once it
-    answers /healthz; a server that exits or stays silent for `wait_s` is a UsageError with its stderr tail."""
+    answers /healthz; a server that exits or stays silent for `wait_s` is a UsageError with its stderr tail.
+    `env`: variables set for it over this process's (a cache folder of its own, say)."""
     import os
     import sys
     import urllib.request
 
     from ctxrelay.errors import UsageError
 
-    env = {**os.environ, "CTXRELAY_API_KEYS": keys}
+    env = {**os.environ, **(env or {}), "CTXRELAY_API_KEYS": keys}
     cmd = [sys.executable, "-m", "ctxrelay.cli", "serve", *args, "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + wait_s

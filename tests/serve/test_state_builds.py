@@ -171,3 +171,16 @@ def test_the_first_turn_end_check_times_both_kinds_of_turn(served):
     assert row["check"] == "first_turn_end_ratio" and row["value"] > 0
     assert detail["next_state"] == {"state": "prefill", "no_state": "none"}
     assert abs(detail["prompt_tokens"] - 256) <= 8 and len(detail["state_built_after_end_s"]) == 1
+
+
+def test_the_edited_history_check_counts_an_edited_resend_as_a_fresh_send(served):
+    """The serving check on a tiny model through a real server: the edit keeps the first question and reply,
+    which are reused from the stored state, and the count equals the fresh one."""
+    from ctxrelay_bench.serving_checks.edited_history import edited, edited_history_check
+
+    url, _, llama = served
+    assert edited("And lakes?") == "And lakex?"
+    row, detail = edited_history_check(url, llama, AUTH, max_tokens=4)
+    assert row == {"check": "edited_history_prompt_tokens_equal", "value": 0, "passed": True}, detail
+    assert (detail["reuse"], detail["reused_messages"], detail["fresh_reuse"]) == ("content", 2, "none")
+    assert detail["prefilled_tokens"] < detail["fresh_prompt_tokens"]  # the reused prefix was not read again

@@ -15,6 +15,8 @@ drives it with real HTTP clients (httpx; the official openai client for the refu
   (400 passes) and that no event was streamed.
 - `first_turn_end_ratio` (first_turn.py): a 4096-token first turn's reply end leaving its state against the
   same turn with `store: false`, medians of `repeats`; passes at 1.10 or less.
+- `edited_history_prompt_tokens_equal` (edited_history.py): a resent history with one character edited in an
+  earlier message: its `usage.prompt_tokens` minus that of the same messages sent fresh (`store: false`); 0 passes.
 
 The server runs with this process's torch threads; the clients mostly wait on sockets.
 """
@@ -33,6 +35,7 @@ from ctxrelay.results import write_results
 from ctxrelay.transports.base import keys_from
 from ctxrelay_bench.harness import serve_process, stop_process
 from ctxrelay_bench.runs import bench_options, wait_until_quiet
+from ctxrelay_bench.serving_checks.edited_history import edited_history_check
 from ctxrelay_bench.serving_checks.first_turn import end_ratio_check
 
 OPTIONS = {"port": 8393, "max_queue": 128, "waiting": 100, "long_tokens": 1024, "read_events": 8,
@@ -215,6 +218,7 @@ def bench(
             lambda: healthz_check(url, model, opts),
             lambda: overwindow_check(url, model, opts),
             lambda: end_ratio_check(url, model, AUTH, opts, max(1, repeats)),
+            lambda: edited_history_check(url, model, AUTH),
         ):
             row, detail = check()
             rows.append({"engine": "native", "transport": "native", "model": model, **row})
