@@ -261,7 +261,13 @@ class CtxrelayConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        slots = [slot_mapping(b, load.start, load.end, self.block_size) for b in load.block_ids]
+        # per KV cache group, once: its slots and which positions have a real block (a sliding-window group
+        # holds the null block where the window has passed: nothing is written there)
+        by_group = []
+        for blocks in load.block_ids:
+            slots = slot_mapping(blocks, load.start, load.end, self.block_size)
+            live = slots // self.block_size != NULL_BLOCK
+            by_group.append((slots[live], live))
         for name, layer in forward_context.no_compile_layers.items():
             kv_cache = getattr(layer, "kv_cache", None)
             found = LAYER_INDEX.search(name)
@@ -272,13 +278,11 @@ class CtxrelayConnector(KVConnectorBase_V1, SupportsHMA):
             i = int(found.group(1))
             num_blocks, kv_heads, block_size, fused = kv_cache.shape
             key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, block_size * 2, fused // 2).chunk(2, dim=2)
-            # a sliding-window group holds the null block where the window has passed: nothing is written there
-            group_slots = slots[self._group_of.get(name, 0)]
-            live = group_slots // self.block_size != NULL_BLOCK
+            slots, live = by_group[self._group_of.get(name, 0)]
             k = payload.keys[i][load.start : load.end][live].to(kv_cache.dtype)
             v = payload.values[i][load.start : load.end][live].to(kv_cache.dtype)
             isa = getattr(layer, "isa", None) or _get_attn_isa(kv_cache.dtype, block_size, fused // 2)
-            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, group_slots[live], isa)
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
