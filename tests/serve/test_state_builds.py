@@ -17,7 +17,7 @@ from ctxrelay.serve.chat import render, transcript
 from ctxrelay.serve.compute import ComputeLock
 from ctxrelay.serve.metrics import Metrics
 from ctxrelay.serve.sessions import SessionStore
-from ctxrelay.serve.state_builder import NOT_STORED, StateBuilder
+from ctxrelay.serve.state_builder import GAVE_WAY, NOT_STORED, StateBuilder
 
 AUTH = {"Authorization": "Bearer k-acme"}
 FIRST = [{"role": "user", "content": "Tell me about startups and how they grow."}]
@@ -184,3 +184,109 @@ def test_the_edited_history_check_counts_an_edited_resend_as_a_fresh_send(served
     assert row == {"check": "edited_history_prompt_tokens_equal", "value": 0, "passed": True}, detail
     assert (detail["reuse"], detail["reused_messages"], detail["fresh_reuse"]) == ("content", 2, "none")
     assert detail["prefilled_tokens"] < detail["fresh_prompt_tokens"]  # the reused prefix was not read again
+
+
+def deferred(url: str) -> float:
+    m = re.search(r"^ctxrelay_state_builds_deferred_total (\S+)$", httpx.get(url + "/metrics").text, re.M)
+    return float(m.group(1))
+
+
+@pytest.fixture
+def idle_engine(tiny_by_family):
+    from ctxrelay.serve.engine import Engine
+
+    engine = Engine(ModelPool([tiny_by_family["llama"]], artifact_dirs=[], profile=Profile()), Metrics())
+    yield engine, tiny_by_family["llama"].name
+    engine.close()
+
+
+def test_a_build_made_only_because_the_server_was_idle_waits_while_requests_keep_it_busy(idle_engine, monkeypatch):
+    """It never reads while requests keep coming; its conversation's next turn ends the wait at once."""
+    engine, name = idle_engine
+    engine.states.quiet_s = 0.02
+    busy = [True]
+    engine.states.idle = lambda: not busy[0]
+    gate, calls = gated(monkeypatch, engine.pool)
+    gate.set()
+    s = SessionStore().open("new", "acme")
+    assert engine.states.leave(s, name, "acme", FIRST, "a reply", store=True, gives_way=True) == "prefill"
+    for _ in range(10):
+        engine.states.give_way(None)  # other requests begin, one after another
+        time.sleep(0.02)
+    assert calls == [] and engine.states.pending == 1
+    assert engine.metrics.state_builds_deferred._value.get() == 1
+    engine.states.give_way(s)  # the conversation's own next turn
+    engine.states.settle(s, None)
+    assert s.state is not None and len(calls) == 1
+
+
+def test_a_build_that_gives_way_stops_inside_the_runners_read_and_reads_again_once_idle(idle_engine, monkeypatch):
+    """A request that begins while the runner reads the transcript stops it before its next layer (the compute
+    lock free again at once); the build reads again once the server is idle."""
+    engine, name = idle_engine
+    engine.states.quiet_s = 0.02
+    real, layers, tries = engine.pool.prefill, [], []
+
+    def prefill(*a, check, **kw):
+        tries.append(1)
+        if len(tries) == 1:
+            engine.states.give_way(None)  # a completion begins after the read began
+
+        def counted() -> None:
+            layers.append(len(tries))
+            check()
+
+        return real(*a, check=counted, **kw)
+
+    monkeypatch.setattr(engine.pool, "prefill", prefill)
+    s = SessionStore().open("new", "acme")
+    engine.states.leave(s, name, "acme", FIRST, "a reply", store=True, gives_way=True)
+    engine.states._pending[(s.tenant, s.id)].future.result(30)  # not settle: a next turn would hurry it
+    engine.states.settle(s, None)
+    n = engine.pool.models[name].spec.num_layers
+    assert s.state is not None and layers == [1] + [2] * n and not engine.compute.held
+
+
+def test_a_build_kept_waiting_past_the_request_timeout_is_dropped_with_its_reason(tiny_by_family, monkeypatch):
+    from ctxrelay.serve.engine import Engine
+
+    engine = Engine(ModelPool([tiny_by_family["llama"]], artifact_dirs=[], profile=Profile()), Metrics(),
+                    request_timeout_s=0.3)  # fmt: skip
+    try:
+        engine.states.quiet_s, engine.states.idle = 0.02, lambda: False  # never idle
+        _, calls = gated(monkeypatch, engine.pool)
+        s = SessionStore().open("new", "acme")
+        engine.states.leave(s, tiny_by_family["llama"].name, "acme", FIRST, "a reply", store=True, gives_way=True)
+        engine.states._pending[(s.tenant, s.id)].future.result(10)
+        engine.states.settle(s, None)
+        assert s.state is None and s.no_state == GAVE_WAY and calls == []
+        assert engine.metrics.state_builds_given_way._value.get() == 1
+    finally:
+        engine.close()
+
+
+def test_builds_that_do_not_give_way_and_idle_ones_left_alone_are_built(idle_engine):
+    engine, name = idle_engine
+    engine.states.quiet_s = 0.05
+    named, idle = SessionStore().open("new", "acme"), SessionStore().open("new", "acme")
+    engine.states.leave(named, name, "acme", FIRST, "a reply", store=True)
+    engine.states.give_way(None)  # a request comes in: the named conversation's build is not held back
+    engine.states.settle(named, None)
+    engine.states.leave(idle, name, "acme", FIRST, "a reply", store=True, gives_way=True)
+    engine.states.settle(idle, None)  # no request came: built after the quiet time
+    assert named.state is not None and idle.state is not None and idle.state.num_tokens == named.state.num_tokens
+
+
+def test_back_to_back_stateless_requests_do_not_wait_for_each_others_state(served):
+    """One client sending requests without a conversation id one after another: the state of each (kept for
+    reuse by content, built because the server is idle) waits while the next request is in."""
+    url, _, llama = served
+    before = deferred(url)
+    for text in ("First question, no id.", "Second question, no id.", "Third question, no id."):
+        body = {"model": llama, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.json()["ctxrelay"]["next_state"] == "prefill", r.text
+    deadline = time.monotonic() + 10  # a build notices it was kept waiting at the end of its quiet time
+    while deferred(url) - before < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert deferred(url) - before >= 2  # the first two waited for the request after them

@@ -4,7 +4,8 @@ Starts `ctxrelay serve` as a process of its own (the model(s) of --model, an API
 /healthz, then per concurrency level runs `requests` streaming chat completions through the official
 `openai` AsyncOpenAI client, at most `concurrency` in flight, bounded in time by `max_s` per level
 (what is still running then is cancelled and counted as unfinished). Every request asks about a
-different held-out essay excerpt of about `prompt_tokens` tokens, so no state is reused. TTFT: request
+held-out essay excerpt of about `prompt_tokens` tokens led by its own request number, so no prefix is
+reused (neither ctxrelay's states nor an engine's prefix cache). TTFT: request
 sent -> first content chunk; latency: -> last chunk. Per level: requests, ok, 429s (the queue bound
 answering, a correct answer), failures (5xx, dropped connections, other errors), throughput (requests/s,
 completion chunks/s), P50/P90/P99 TTFT and latency, and whether the server's /metrics request counts
@@ -65,14 +66,15 @@ def percentile(xs: Sequence[float], q: float) -> float | None:
 
 
 def prompts(model: str, n: int, tokens: int) -> list[str]:
-    """`n` distinct held-out essay excerpts of `tokens` tokens of `model`'s tokenizer, with a question. Past the
-    essays' variety a request number leads the text, so no two prompts share a prefix an engine could reuse."""
+    """`n` held-out essay excerpts of about `tokens` tokens of `model`'s tokenizer, with a question. The held-out
+    essays start only a few dozen distinct excerpts, so every prompt opens with its own request number: no two
+    share a prefix block an engine's prefix cache could serve (only the chat template's opening)."""
     from ctxrelay import zoo
-    from ctxrelay.data.datasets import essay_haystack
+    from ctxrelay.data.datasets import essay_haystack, essays
 
     tok = zoo.tokenizer(model)
-    texts = [essay_haystack(tok, tokens, split="heldout", seed=i) + QUESTION for i in range(min(n, 64))]
-    return [texts[i] if i < len(texts) else f"[{i}] {texts[i % len(texts)]}" for i in range(n)]
+    texts = [essay_haystack(tok, tokens, split="heldout", seed=i) + QUESTION for i in range(len(essays("heldout")))]
+    return [f"[request {i}] {texts[i % len(texts)]}" for i in range(n)]
 
 
 def start_server(

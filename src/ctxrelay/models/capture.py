@@ -75,9 +75,14 @@ def _merge_qk(cap: runner.Capture, readers: list[CapturePlan]) -> None:
     cap.on_qk = on_qk
 
 
-def run_capture(m: LoadedModel, ids: torch.Tensor, plans: Sequence[CapturePlan] = (), kv: bool = False):
-    """The sender's forward over `ids` recording what `plans` ask; returns the filled runner.Capture."""
+def run_capture(
+    m: LoadedModel, ids: torch.Tensor, plans: Sequence[CapturePlan] = (), kv: bool = False,
+    check: Callable[[], None] | None = None,
+):  # fmt: skip
+    """The sender's forward over `ids` recording what `plans` ask; returns the filled runner.Capture. `check`
+    runs before each layer (runner.Capture.check)."""
     cap = merge(plans, kv)
+    cap.check = check
     runner.forward(m, ids, capture=cap, logits="none")
     return cap
 
@@ -90,11 +95,13 @@ def capture_state(
     *,
     kv: bool = True,
     meta: dict | None = None,
+    check: Callable[[], None] | None = None,
 ) -> ContextState:
-    """Native prefill of `text` by `m`; records what `plans` ask (and K/V when kv=True)."""
+    """Native prefill of `text` by `m`; records what `plans` ask (and K/V when kv=True). `check` runs before
+    each layer and may raise to stop the prefill."""
     ids, offsets = tokenize_context(m, text)
     t0 = time.perf_counter()
-    cap = run_capture(m, ids, plans, kv)
+    cap = run_capture(m, ids, plans, kv, check)
     state = ContextState(
         text=text,
         tokens=ids,
@@ -112,8 +119,9 @@ def capture_state(
 
 
 def extend_state(
-    m: LoadedModel, state: ContextState, text: str, plans: Sequence[CapturePlan] = ()
-) -> ContextState | None:
+    m: LoadedModel, state: ContextState, text: str, plans: Sequence[CapturePlan] = (),
+    check: Callable[[], None] | None = None,
+) -> ContextState | None:  # fmt: skip
     """The state of `text`, which continues `state.text`, reading only the added tokens over the
     state's own K/V (a conversation's next turn on the same model). None where that would not equal
     `capture_state(m, text, ...)`: another model, no K/V, a plan that needs the whole prefill's
@@ -128,7 +136,7 @@ def extend_state(
         return None
     t0 = time.perf_counter()
     cache = runner.cache_from_pre_rope(m, state.keys_pre_rope, state.values)
-    cap = runner.Capture(keys_pre_rope=True, values=True)
+    cap = runner.Capture(keys_pre_rope=True, values=True, check=check)
     runner.forward(m, ids[n:], cache, capture=cap, logits="none")
     new = ContextState(
         text=text,

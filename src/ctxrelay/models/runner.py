@@ -147,6 +147,9 @@ class Capture:
     qk_layers: set[int] | None = None  # layers on_qk sees (None: all)
     keys: list[torch.Tensor] = field(default_factory=list)  # per layer [T, Hkv, d]
     vals: list[torch.Tensor] = field(default_factory=list)
+    # called before each layer: raises to stop a prefill nobody waits for any more (a state build that gives
+    # way to a request), so the compute lock is free within one layer
+    check: Callable[[], None] | None = None
 
 
 @dataclass
@@ -330,6 +333,8 @@ def forward(
     if vis is not None:
         early_mask = vis if key_mask is None else key_mask & vis.to(key_mask.device)
     for i in range(m.spec.num_layers):
+        if capture is not None and capture.check is not None:
+            capture.check()
         x = attn_input(m, i, h)
         q = project_q(m, i, x, rope)
         k_raw, v = project_k_raw(m, i, x), project_v(m, i, x)

@@ -144,12 +144,14 @@ class ModelPool:
     # ---- sender side --------------------------------------------------------------------------
 
     def prefill(
-        self, sender: str, text: str, tenant: str, *, store: bool = True, extend: ContextState | None = None
-    ) -> ContextState:
+        self, sender: str, text: str, tenant: str, *, store: bool = True, extend: ContextState | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> ContextState:  # fmt: skip
         """The sender reads `text` natively and leaves a ContextState with what its edges need.
 
         `extend`: a state of this sender whose text `text` continues; only the added tokens are read
-        where that gives the same state (capture.extend_state), else the whole text."""
+        where that gives the same state (capture.extend_state), else the whole text. `check` runs before
+        each layer and may raise to stop the read (a state build giving way to a request)."""
         checked_text(text)
         m = self.model(sender)
         check_window(m, len(context_ids(m, text)))
@@ -157,9 +159,10 @@ class ModelPool:
         state = None
         if extend is not None:
             extend.check(tenant=tenant)
-            state = extend_state(m, extend, text, plans)
+            state = extend_state(m, extend, text, plans, check)
         if state is None:
-            state = capture_state(m, text, tenant, plans)  # K/V always: the sender itself continues from them
+            # K/V always: the sender itself continues from them
+            state = capture_state(m, text, tenant, plans, check=check)
         if store:
             try:
                 self.store.put(state)

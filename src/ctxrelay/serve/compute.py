@@ -20,9 +20,14 @@ class Cancelled(Exception):
 class Cancel:
     """Set once, from any thread, when nobody waits for the turn's answer any more."""
 
-    def __init__(self) -> None:
+    def __init__(self, reason: str = "the client closed the connection") -> None:
+        self.reason = reason
         self._event = threading.Event()
         self._wakers: list[Callable[[], None]] = []
+
+    def wait(self, timeout: float) -> bool:
+        """Until set (True) or `timeout` seconds pass (False)."""
+        return self._event.wait(timeout)
 
     def set(self) -> None:
         self._event.set()
@@ -34,7 +39,7 @@ class Cancel:
 
     def check(self) -> None:
         if self._event.is_set():
-            raise Cancelled("the client closed the connection")
+            raise Cancelled(self.reason)
 
     def on_set(self, wake: Callable[[], None]) -> None:
         self._wakers.append(wake)

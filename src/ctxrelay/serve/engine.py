@@ -78,7 +78,8 @@ class Engine:
         self.compute = ComputeLock()
         # the states turns leave, built after their replies; the conversation store names them
         sessions = sessions if sessions is not None else SessionStore()  # an empty store is falsy (__len__)
-        self.states = StateBuilder(pool, self.computing, sessions, metrics, request_timeout_s, self.state_prefill)
+        idle = lambda: self._depth == 0  # noqa: E731  (no request admitted: a deferred state build may read)
+        self.states = StateBuilder(pool, self.computing, sessions, metrics, request_timeout_s, self.state_prefill, idle)
         self._admit = threading.Lock()
         self._depth = 0
         self._service_s = 1.0  # running mean of a turn's compute time, for Retry-After
@@ -180,14 +181,16 @@ class Engine:
     def chat(
         self, tenant: str, p: Prompt, session: Session | None, *, max_tokens: int, temperature: float,
         transport: str = "auto", on_token: OnToken = None, cancel: Cancel | None = None,
-        sampling: Sampling | None = None, store: bool = True,
+        sampling: Sampling | None = None, store: bool = True, state_gives_way: bool = False,
     ) -> Served:  # fmt: skip
         """One chat turn, planned by plan_chat. With a session, the conversation so far is relayed from
         the state the previous turn's model left and only the new turn (in `model`'s template) is prefilled;
-        the state this turn leaves is built after its reply (`leave`; none with `store` false)."""
+        the state this turn leaves is built after its reply (`leave`; none with `store` false; `state_gives_way`:
+        only while no other request comes in)."""
         model, history = p.model, p.history
         gen = dict(max_new_tokens=max_tokens, temperature=temperature, on_token=cancellable(on_token, cancel),
                    sampling=sampling)  # fmt: skip
+        self.states.give_way(session)  # a state built only because the server was idle never delays a request
         settled = self.states.settle(session, cancel) if session else {}  # before the lock: the build needs it
         relay = session is not None and session.state is not None
         with self.computing(cancel) as waited:
@@ -205,19 +208,20 @@ class Engine:
         report = self._report(res, model, waited)
         # what this turn prefilled natively: only the new turn when the history was relayed
         report["prefilled_tokens"] = n_suffix if res.transport != "native" else res.context_tokens + n_suffix
-        self.leave(session, p, tenant, res.text, store, settled, report)
+        self.leave(session, p, tenant, res.text, store, settled, report, state_gives_way)
         return Served(res, report, self.prompt_tokens(p))
 
     def leave(
-        self, session: Session | None, p: Prompt, tenant: str, reply: str, store: bool, settled: dict, report: dict
-    ) -> None:
+        self, session: Session | None, p: Prompt, tenant: str, reply: str, store: bool, settled: dict, report: dict,
+        gives_way: bool = False,
+    ) -> None:  # fmt: skip
         """After the turn (the compute lock released): the conversation takes the turn and its state is built
         in the background (state_builder.py); the report says how that state is made and what this turn read."""
         if session is None:
             report.update(next_state="none", next_state_build=None)
             return
         relayed_from = session.model
-        how = self.states.leave(session, p.model, tenant, [*p.history, *p.new], reply, store)
+        how = self.states.leave(session, p.model, tenant, [*p.history, *p.new], reply, store, gives_way)
         report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from, **settled)
         # "extend" | "prefill" (built after this reply ends, off the request path) | "none"
         report.update(next_state=how, next_state_build="background" if how != "none" else None)
@@ -235,6 +239,7 @@ class Engine:
         """A plain completion, planned by plan_completion: the prompt is prefilled natively (completions
         keep no conversation)."""
         model = p.model
+        self.states.give_way(None)
         with self.computing(cancel) as waited:
             res = self.pool.native(model, p.text, "", max_new_tokens=max_tokens, temperature=temperature,
                                    on_token=cancellable(on_token, cancel), sampling=sampling)  # fmt: skip

@@ -70,6 +70,14 @@ class Metrics:
         self.state_build_failures = Counter(
             "ctxrelay_state_build_failures_total", "Conversation states not built (the next turn prefills)", registry=r
         )
+        self.state_builds_deferred = Counter(
+            "ctxrelay_state_builds_deferred_total",
+            "States of conversations begun without an id that waited for other requests", registry=r,
+        )  # fmt: skip
+        self.state_builds_given_way = Counter(
+            "ctxrelay_state_builds_given_way_total",
+            "States of conversations begun without an id, dropped: requests kept the server busy", registry=r,
+        )  # fmt: skip
 
     def observe_turn(self, receiver: str, transport: str, reason: str, ttft_s: float) -> None:
         self.ttft.labels(transport, receiver).observe(ttft_s)

@@ -156,11 +156,12 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
             if not finder.seed(held.found, cancel):  # the reused state was not at hand: the whole request is new
                 prompt = engine.plan_chat(req.model, messages, held.session, max_tokens)
             # a conversation begun without an id is kept for reuse by content, but its state (a second read of
-            # the transcript) is built only when no other request is in: stateless traffic under load is not
-            # read twice
-            keep = req.store and (conv is not None or held.found.by != NONE or engine.idle())
+            # the transcript) is built only when no other request is in, and gives way to the next one that
+            # comes: stateless traffic is not read twice
+            named = conv is not None or held.found.by != NONE
+            keep = req.store and (named or engine.idle())
             opts = dict(max_tokens=max_tokens, temperature=sampling.temperature, transport=req.transport,
-                        sampling=sampling, store=keep)  # fmt: skip
+                        sampling=sampling, store=keep, state_gives_way=not named)  # fmt: skip
             # the engine saves the conversation before the reply leaves (the next turn may go to another process)
             served = engine.chat(tenant, prompt, held.session, on_token=on_token, cancel=cancel, **opts)
             finder.report(held.found, served.report)

@@ -20,6 +20,16 @@ re-reading the record until it names the state or the build's time (the request 
 start) is up. A build that failed, was refused or did not finish in time makes the next turn a
 native prefill of the transcript whose reason says so. A cancelled turn leaves no state (it never
 gets here); a request with `store: false` leaves none.
+
+A build the server makes only because it was idle (a conversation begun without an id, kept for reuse by
+content: openai_api.py) gives way to every other request: it waits, on a thread of its own, until no request
+is in and none began for a short quiet time, and a turn of another conversation (or a completion) that
+begins while it reads stops it before the runner's next layer and sends it back to waiting. So a client
+sending stateless requests one after another never waits for a second read of the last one (measured on the
+AMD EPYC: each such request waited 1.1-1.4 s for it, halving the requests/s of one closed-loop client),
+while a client that interleaves its conversations still finds each one's state: the conversation's own next
+turn ends the wait and the build runs at once. One that waits longer than the request timeout, or past
+MAX_WAITING such builds, is dropped (the next turn prefills natively, with the reason).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from dataclasses import dataclass
 from ctxrelay.errors import UsageError
 from ctxrelay.relay.api import ModelPool
 from ctxrelay.serve.chat import transcript
-from ctxrelay.serve.compute import Cancel
+from ctxrelay.serve.compute import Cancel, Cancelled
 from ctxrelay.serve.metrics import Metrics
 from ctxrelay.serve.sessions import Built, Conversations, Session
 from ctxrelay.state import ContextState
@@ -48,15 +58,49 @@ NOT_STORED = (
     "server was busy)"
 )
 OUTGREW = "the conversation outgrew the model's window (no state of it fits)"
+GAVE_WAY = (
+    "the last turn's state was not built: other requests kept the server busy (a conversation begun without an "
+    "id gets its state only while the server is otherwise idle, or once its next turn asks for it)"
+)
+QUIET_S = 0.5  # a build that gives way starts only after this long without a new request (a client's next send)
+MAX_WAITING = 64  # builds that give way, waiting at once (each holds a transcript and a thread)
 POLL_S = 0.05  # how often a turn waiting for another process's build reads the record again
 # (model, transcript text, tenant, the model's own last state or None, cancel) -> the state; takes the lock it needs
 Prefill = Callable[[str, str, str, ContextState | None, Cancel], ContextState]
 
 
+class Deferred(Cancelled):
+    """A request began while a build that gives way was reading: it goes back to waiting."""
+
+
+class _Attempt(Cancel):
+    """One try of a build that gives way: cancelled with the build (the server stops, the build is dropped), and
+    deferred once any request begins after it started, unless the conversation's own next turn waits for it."""
+
+    def __init__(self, b: _Build, arrivals: Callable[[], int]):
+        super().__init__()
+        self.build, self.arrivals, self.start = b, arrivals, arrivals()
+
+    def is_set(self) -> bool:
+        return self.build.cancel.is_set()
+
+    def on_set(self, wake: Callable[[], None]) -> None:
+        self.build.cancel.on_set(wake)
+
+    def check(self) -> None:
+        self.build.cancel.check()
+        if not self.build.hurry.is_set() and self.arrivals() != self.start:
+            raise Deferred("a request began")
+
+
 @dataclass
 class _Build:
     turn: int  # the conversation's turn count once the turn that asked for it was saved
-    future: Future[Built]
+    gives_way: bool  # to other requests (built only because the server was idle)
+    cancel: Cancel
+    hurry: threading.Event  # ends the quiet time (set by the cancel too)
+    future: Future[Built] | None = None
+    dropped: bool = False  # one that gave way too long: never built
 
 
 class StateBuilder:
@@ -64,24 +108,32 @@ class StateBuilder:
 
     def __init__(
         self, pool: ModelPool, computing: Callable[[Cancel], AbstractContextManager], sessions: Conversations,
-        metrics: Metrics, timeout_s: float, prefill: Prefill | None = None,
+        metrics: Metrics, timeout_s: float, prefill: Prefill | None = None, idle: Callable[[], bool] | None = None,
     ):  # fmt: skip
         self.pool, self.computing, self.sessions, self.metrics = pool, computing, sessions, metrics
         self.prefill = prefill or self.runner_prefill
+        self.idle = idle or (lambda: True)  # no request in (the engine's admission count)
         self.timeout_s = timeout_s
+        self._arrivals = 0  # requests begun (give_way)
+        self._waiting: list[threading.Thread] = []  # the threads of builds that give way
         self._pending: dict[tuple[str, str], _Build] = {}
         self._lock = threading.RLock()  # a future done at registration runs its callback in the registering thread
-        self._cancel = Cancel()  # set on close: a build waiting for compute stops
+        self.quiet_s = QUIET_S
+        self._closing = False
         self._threads = ThreadPoolExecutor(1, thread_name_prefix="ctxrelay-state")
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
-    def leave(self, s: Session, model: str, tenant: str, messages: list[dict], reply: str, store: bool) -> str:
+    def leave(
+        self, s: Session, model: str, tenant: str, messages: list[dict], reply: str, store: bool,
+        gives_way: bool = False,
+    ) -> str:  # fmt: skip
         """After a turn's reply was decoded and the compute lock released: the turn joins the conversation,
         which is saved (the next turn may go to another process), and the state its next turn reads is
-        built in the background. Returns how that state is made: "extend", "prefill" or "none"."""
+        built in the background (`gives_way`: only while no request comes in). Returns how that state is
+        made: "extend", "prefill" or "none"."""
         turn = [*messages, {"role": "assistant", "content": reply}]
         own = s.state if s.model == model else None  # a relayed cache is approximate: never extended
         s.model, s.messages, s.state = model, turn, None
@@ -92,8 +144,13 @@ class StateBuilder:
         self.sessions.save(s)  # records `building`, so other processes wait for the state rather than prefill
         if not store:
             return "none"
+        b = _Build(s.turns, gives_way, Cancel("the server is stopping"), threading.Event())
+        b.cancel.on_set(b.hurry.set)
+        job = (s, model, tenant, transcript(turn), own, b)
         with self._lock:  # registered before its done-callback can remove it
-            b = _Build(s.turns, self._threads.submit(self._build, s, s.turns, model, tenant, transcript(turn), own))
+            if self._closing:
+                b.cancel.set()
+            b.future = self._wait_for_idle(job) if gives_way else self._threads.submit(self._build, *job)
             self._pending[(s.tenant, s.id)] = b
             b.future.add_done_callback(lambda _: self._done((s.tenant, s.id), b))
             self.metrics.state_builds.set(len(self._pending))
@@ -108,6 +165,7 @@ class StateBuilder:
         with self._lock:
             b = self._pending.get((s.tenant, s.id))
         if b is not None and b.turn == s.turns:  # built by this process
+            b.hurry.set()  # its quiet time is for other requests
             self._wait(b.future, s.building + self.timeout_s - time.time(), cancel)
             s.state, s.no_state = self._outcome(b.future)
             s.building = None
@@ -124,20 +182,33 @@ class StateBuilder:
                 time.sleep(POLL_S)
         return self._facts(s, time.perf_counter() - t0)
 
+    def give_way(self, to: Session | None) -> None:
+        """A turn of `to` (None: a request of no conversation) begins: builds that give way wait (one reading
+        stops at its next layer), except the one of `to`'s own last turn (settle hurries it)."""
+        with self._lock:
+            own = self._pending.get((to.tenant, to.id)) if to is not None else None
+            if own is not None and own.turn == to.turns:
+                own.hurry.set()
+            self._arrivals += 1
+
     def close(self) -> None:
         """Engine shutdown: queued builds are dropped, one waiting for compute stops, a running one is joined."""
-        self._cancel.set()
+        with self._lock:
+            self._closing = True
+            builds, waiting = list(self._pending.values()), list(self._waiting)
+        for b in builds:
+            b.cancel.set()
         self._threads.shutdown(wait=True, cancel_futures=True)
+        for t in waiting:
+            t.join(self.timeout_s)
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _build(self, s: Session, turn: int, model: str, tenant: str, text: str, own: ContextState | None) -> Built:
+    def _build(self, s: Session, model: str, tenant: str, text: str, own: ContextState | None, b: _Build) -> Built:
         """One state, built under the compute lock and handed to the conversation store."""
+        turn = b.turn
         try:
-            try:
-                state, why = self.prefill(model, text, tenant, own, self._cancel), ""
-            except UsageError:  # over the window: this reply stands, the next turn is refused at its plan
-                state, why = None, OUTGREW
+            state, why = self._read(model, text, tenant, own, b)
         except BaseException as e:  # the store says why, so another process's next turn can too
             self.metrics.state_build_failures.inc()
             log.warning("conversation %s: state not built (%s: %s)", s.id, type(e).__name__, e)
@@ -151,12 +222,70 @@ class StateBuilder:
         self.metrics.state_bytes.set(self.sessions.trim())
         return out
 
+    def _read(self, model: str, text: str, tenant: str, own: ContextState | None, b: _Build) -> Built:
+        """The state, or None and why not: over the window, or (one that gives way) dropped while it waited."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if b.gives_way and not self._quiet(b, deadline):
+                self.metrics.state_builds_given_way.inc()
+                return None, GAVE_WAY
+            b.cancel.check()
+            try:
+                cancel = _Attempt(b, lambda: self._arrivals) if b.gives_way else b.cancel
+                return self.prefill(model, text, tenant, own, cancel), ""
+            except UsageError:  # over the window: this reply stands, the next turn is refused at its plan
+                return None, OUTGREW
+            except Deferred:
+                continue
+
+    def _quiet(self, b: _Build, deadline: float) -> bool:
+        """Until the build may read: hurried, or no request in and none begun for quiet_s (True); dropped or
+        past `deadline` (False)."""
+        waited = False
+        while not b.hurry.is_set():
+            seen = self._arrivals
+            b.hurry.wait(self.quiet_s)
+            if b.hurry.is_set():
+                break
+            if seen == self._arrivals and self.idle():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if not waited:
+                waited = True
+                self.metrics.state_builds_deferred.inc()
+        return not b.dropped
+
+    def _wait_for_idle(self, job: tuple) -> Future[Built]:
+        """A build that gives way, on a thread of its own (it may wait long; other builds must not queue
+        behind it); the oldest waiting one is dropped past MAX_WAITING."""
+        future: Future[Built] = Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._build(*job))
+                except BaseException as e:
+                    future.set_exception(e)
+            with self._lock:
+                self._waiting.remove(thread)
+
+        thread = threading.Thread(target=run, name="ctxrelay-state-idle", daemon=True)
+        with self._lock:
+            waiting = [b for b in self._pending.values() if b.gives_way and not b.future.done()]
+            for b in waiting[: max(0, len(waiting) - MAX_WAITING + 1)]:
+                b.dropped = True
+                b.hurry.set()
+            self._waiting.append(thread)
+        thread.start()
+        return future
+
     def runner_prefill(
         self, model: str, text: str, tenant: str, own: ContextState | None, cancel: Cancel
     ) -> ContextState:
         """The state read by ctxrelay's runner, under the compute lock (the runner shares the router's cores)."""
         with self.computing(cancel):
-            return self.pool.prefill(model, text, tenant, store=False, extend=own)
+            return self.pool.prefill(model, text, tenant, store=False, extend=own, check=cancel.check)
 
     def _done(self, key: tuple[str, str], b: _Build) -> None:
         with self._lock:

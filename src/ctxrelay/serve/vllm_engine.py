@@ -105,12 +105,13 @@ class VllmEngine(Engine):
     def chat(
         self, tenant: str, p: Prompt, session: Session | None, *, max_tokens: int, temperature: float,
         transport: str = "auto", on_token: OnToken = None, cancel: Cancel | None = None,
-        sampling: Sampling | None = None, store: bool = True,
+        sampling: Sampling | None = None, store: bool = True, state_gives_way: bool = False,
     ) -> Served:  # fmt: skip
         """One chat turn, planned by plan_chat (the window checked there): relayed through the connector
         where the gate says so, the engine prefilling the rest and decoding; the state it leaves is built
         on ctxrelay's runner after the reply (Engine.leave)."""
         model, m = p.model, self.pool.models[p.model]
+        self.states.give_way(session)  # a state built only because the server was idle never delays a request
         settled = self.states.settle(session, cancel) if session else {}
         t0 = time.perf_counter()
         waited, kv, prep = 0.0, None, None
@@ -137,7 +138,7 @@ class VllmEngine(Engine):
         report["prefilled_tokens"] = len(ids) - (kv[1] if kv is not None else 0)  # the engine's own prefill
         report["engine"] = self.engine_facts(model)
         report["engine_cached_tokens"] = res.info["engine_cached_tokens"]  # served by its prefix cache
-        self.leave(session, p, tenant, res.text, store, settled, report)
+        self.leave(session, p, tenant, res.text, store, settled, report, state_gives_way)
         return Served(res, report, self.prompt_tokens(p))
 
     def complete(
@@ -145,6 +146,7 @@ class VllmEngine(Engine):
         sampling: Sampling | None = None,
     ) -> Served:  # fmt: skip
         ids = context_ids(self.pool.models[p.model], p.text).tolist()
+        self.states.give_way(None)
         res = self.generate(
             p.model, ids, "", time.perf_counter(), max_tokens, temperature, cancellable(on_token, cancel), None,
             None, "completion: stateless prompt", len(ids), sampling=sampling,
