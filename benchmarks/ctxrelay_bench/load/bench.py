@@ -12,8 +12,11 @@ completion chunks/s), P50/P90/P99 TTFT and latency, and whether the server's /me
 equal the load tool's (by status, over the level). `engines=native,vllm` loads one server per engine in
 turn (`ctxrelay serve --engine E`), each row naming its `engine`: with `--engine native` one compute lock
 serves all requests, so throughput stays at one model's rate; with `--engine vllm` the engine batches
-concurrent requests. `duration_s` > 0 makes each level closed-loop: `concurrency` clients each send the next
-prompt as soon as their last one returns, for that long (the issue's >= 60 s at concurrency 16).
+concurrent requests. `vllm-direct` loads vLLM's own OpenAI server for the model, with nothing of ctxrelay in
+front (started as `--engine vllm` starts it): the router's cost is the difference to the `vllm` rows (no
+/metrics comparison there: vLLM counts requests its own way). `duration_s` > 0 makes each level closed-loop:
+`concurrency` clients each send the next prompt as soon as their last one returns, for that long (the issue's
+>= 60 s at concurrency 16).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ TUNING_KEYS = keys_from(
         "warmup": "untimed requests first",
         "start_s": "seconds the server may take to start",
         "max_queue": "the server's --max-queue",
-        "engines": "the servers loaded in turn: native (ctxrelay's runner) and/or vllm (comma list)",
+        "engines": "the servers loaded in turn: native (ctxrelay's runner), vllm, vllm-direct (vLLM alone; comma list)",
         "duration_s": "> 0: each level's clients send requests back to back for this long (else `requests`)",
         "engine_mode": "vLLM's mode with engines=vllm: compiled (its default) | eager",
     },
@@ -85,6 +88,21 @@ def start_server(
     if engine == "vllm":
         args += ["--engine-mode", engine_mode]
     return serve_process(args, port, f"{KEY}:load", wait_s)
+
+
+def direct_server(model: str, mode: str):
+    """vLLM's own OpenAI server for `model`, started as `ctxrelay serve --engine vllm` starts it (its dtype,
+    KV space, prefix caching and connector), answering on its own port."""
+    from ctxrelay import paths, zoo
+    from ctxrelay.engines.vllm_server import EngineConfig, VllmServer
+    from ctxrelay.results import machine_facts
+
+    spec = zoo.load(model).spec  # its weights hash binds the connector; its window bounds the engine's
+    config = EngineConfig(compiled=mode == "compiled")
+    server = VllmServer(model, zoo.pull(model), spec.weights_hash, config, machine_facts()["isa"],
+                        paths.cache_dir() / "logs", spec.context_window)  # fmt: skip
+    server.start()
+    return server
 
 
 async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
@@ -277,27 +295,33 @@ def bench(
     for engine in engines:
         port = int(opts["port"])
         start_s = float(opts["start_s"]) if engine == "native" else max(float(opts["start_s"]), 1800.0)
-        proc = start_server(model, port, threads, start_s, int(opts["max_queue"]), engine, str(opts["engine_mode"]))
-        url = f"http://127.0.0.1:{port}"
+        if engine == "vllm-direct":
+            proc = direct_server(served, str(opts["engine_mode"]))
+            url = proc.url
+        else:
+            proc = start_server(model, port, threads, start_s, int(opts["max_queue"]), engine, str(opts["engine_mode"]))
+            url = f"http://127.0.0.1:{port}"
         try:
             asyncio.run(run_level(url, served, texts[:w], 1, int(opts["max_tokens"]), float(opts["max_s"])))
             for i, c in enumerate(levels):
                 batch = texts[w + i * per_level : w + (i + 1) * per_level][: n if duration <= 0 else None]
-                before = served_counts(url)
+                direct = engine == "vllm-direct"
+                before = {} if direct else served_counts(url)
                 res, pending, wall = asyncio.run(
                     run_level(url, served, batch, c, int(opts["max_tokens"]), float(opts["max_s"]), duration)
                 )
                 row = {"engine": engine, **summarize(res, pending, wall, c)}
-                if engine == "vllm":
+                if engine != "native":
                     row["engine_mode"] = opts["engine_mode"]
-                after = served_counts(url)
-                row["server_counts"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-                row["server_counts_match"] = counts_match(row["statuses"], before, after)
+                if not direct:
+                    after = served_counts(url)
+                    row["server_counts"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                    row["server_counts_match"] = counts_match(row["statuses"], before, after)
                 rows.append(row)
                 samples[f"{engine}, concurrency {c}"] = [r["ttft_s"] for r in res if r["status"] == "ok"]
                 path = write_results(out, rows, command, extra)
         finally:
-            stop_process(proc, 120)
+            proc.stop() if engine == "vllm-direct" else stop_process(proc, 120)
     if path is None:
         raise UsageError("no concurrency level finished")
     plot(rows, samples, path.with_suffix(".png"))
