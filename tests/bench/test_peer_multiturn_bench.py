@@ -99,3 +99,13 @@ def test_the_proxy_records_each_turns_report_and_opts_out_on_request(served, sto
         assert turns.transport_mix(facts) == "mixed" and s["transports"] == {"native": 1, "self": 2}
         assert all(f["overhead"] >= 0 for f in facts)  # a reusing turn prefills the new message and its template
         assert turns.reuse_bar(s) == (s["prefill_overhead_max"] <= 8)
+
+
+def test_a_turn_sent_as_text_parts_counts_its_text_as_the_server_reads_it():
+    """`vllm bench serve` sends each message as OpenAI's list of text parts: counted as their joined text."""
+    parts = [{"type": "text", "text": "one two "}, {"type": "text", "text": "three"}]
+    turn = {"messages": [{"role": "user", "content": parts}], "report": {"prefilled_tokens": 7}, "status": 200}
+    as_text = {**turn, "messages": [{"role": "user", "content": "one two three"}]}
+    count = lambda s: len(s.split())
+    uncovered = [turns.turn_facts(t, count)["uncovered_tokens"] for t in (turn, as_text)]
+    assert uncovered == [3, 3]

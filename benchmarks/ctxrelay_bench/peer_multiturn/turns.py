@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ctxrelay.serve.chat import content_text
+
 SAME_MODEL = ("native", "self")  # transports that are not a relay between models
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
@@ -42,7 +44,8 @@ def turn_facts(turn: dict, count_tokens: Callable[[str], int]) -> dict:
     r = turn.get("report") or {}
     msgs = turn["messages"]
     k = int(r.get("reused_messages") or 0)
-    uncovered = sum(count_tokens(m["content"]) for m in msgs[k:])
+    # as the server reads them: a string, or OpenAI's text parts (`vllm bench serve` sends those) joined
+    uncovered = sum(count_tokens(content_text(m["content"], "content")) for m in msgs[k:])
     prefilled = r.get("prefilled_tokens")
     return {
         "model": turn.get("model"), "messages": len(msgs), "first": len(msgs) == 1, "status": turn.get("status"),

@@ -293,9 +293,17 @@ async def _streamed(
 
 
 async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    yield head
+    """`head` (the role chunk) just before the stream's first line, as vLLM's server sends it: clients that time
+    the first chunk (vLLM's `bench serve` does) time the first token, not the plan (the 200 and the headers
+    leave at once anyway)."""
+    sent = False
     async for line in rest:
+        if not sent:
+            sent = True
+            yield head
         yield line
+    if not sent:
+        yield head
 
 
 def _json(body: dict, report: dict) -> Response:
