@@ -124,6 +124,8 @@ def test_salts_keep_tenants_and_relays_apart_and_the_config_names_the_connector(
 def test_engine_process_command_and_a_clear_error_without_vllm(tmp_path, monkeypatch):
     s = VllmServer("m", tmp_path, "h" * 64, EngineConfig(), "avx2", tmp_path, window=4096)
     cmd = s.command(tmp_path / "python")
+    assert cmd[:3] == ["nice", "-n", "5"]  # the router's short request-path work goes first on shared cores
+    cmd = cmd[3:]
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enable-prefix-caching" in cmd
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--max-model-len") + 1] == "4096"
     assert cmd[cmd.index("--dtype") + 1] == "float32" and "--enforce-eager" in cmd  # fp32 on AVX2: faster there

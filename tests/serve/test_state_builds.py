@@ -320,3 +320,22 @@ def test_back_to_back_stateless_requests_do_not_wait_for_each_others_state(serve
     while deferred(url) - before < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert deferred(url) - before >= 2  # the first two waited for the request after them
+
+
+def test_a_build_starts_once_its_reply_has_left(idle_engine, monkeypatch):
+    """An engine's read of the transcript takes the cores the reply's last chunks are sent on: it waits for
+    them (the response's end), unless the conversation's next turn asks for the state first."""
+    engine, name = idle_engine
+    gate, calls = gated(monkeypatch, engine.pool)
+    gate.set()
+    sent, asked = threading.Event(), threading.Event()
+    s, t = SessionStore().open("new", "acme"), SessionStore().open("new", "acme")
+    engine.states.leave(s, name, "acme", FIRST, "a reply", store=True, sent=sent)
+    future = engine.states._pending[(s.tenant, s.id)].future
+    time.sleep(0.3)
+    assert calls == [] and not future.done()
+    sent.set()  # the response's last byte left
+    assert future.result(30)[0] is not None and len(calls) == 1
+    engine.states.leave(t, name, "acme", FIRST, "a reply", store=True, sent=asked)
+    engine.states.settle(t, None)  # its next turn came before the reply's end was seen: built at once
+    assert t.state is not None and len(calls) == 2

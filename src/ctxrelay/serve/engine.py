@@ -182,11 +182,12 @@ class Engine:
         self, tenant: str, p: Prompt, session: Session | None, *, max_tokens: int, temperature: float,
         transport: str = "auto", on_token: OnToken = None, cancel: Cancel | None = None,
         sampling: Sampling | None = None, store: bool = True, state_gives_way: bool = False,
+        reply_sent: threading.Event | None = None,
     ) -> Served:  # fmt: skip
         """One chat turn, planned by plan_chat. With a session, the conversation so far is relayed from
         the state the previous turn's model left and only the new turn (in `model`'s template) is prefilled;
-        the state this turn leaves is built after its reply (`leave`; none with `store` false; `state_gives_way`:
-        only while no other request comes in)."""
+        the state this turn leaves is built after its reply (`leave`: once `reply_sent` is set; none with `store`
+        false; `state_gives_way`: only while no other request comes in)."""
         model, history = p.model, p.history
         gen = dict(max_new_tokens=max_tokens, temperature=temperature, on_token=cancellable(on_token, cancel),
                    sampling=sampling)  # fmt: skip
@@ -208,12 +209,12 @@ class Engine:
         report = self._report(res, model, waited)
         # what this turn prefilled natively: only the new turn when the history was relayed
         report["prefilled_tokens"] = n_suffix if res.transport != "native" else res.context_tokens + n_suffix
-        self.leave(session, p, tenant, res.text, store, settled, report, state_gives_way)
+        self.leave(session, p, tenant, res.text, store, settled, report, state_gives_way, reply_sent)
         return Served(res, report, self.prompt_tokens(p))
 
     def leave(
         self, session: Session | None, p: Prompt, tenant: str, reply: str, store: bool, settled: dict, report: dict,
-        gives_way: bool = False,
+        gives_way: bool = False, reply_sent: threading.Event | None = None,
     ) -> None:  # fmt: skip
         """After the turn (the compute lock released): the conversation takes the turn and its state is built
         in the background (state_builder.py); the report says how that state is made and what this turn read."""
@@ -221,7 +222,7 @@ class Engine:
             report.update(next_state="none", next_state_build=None)
             return
         relayed_from = session.model
-        how = self.states.leave(session, p.model, tenant, [*p.history, *p.new], reply, store, gives_way)
+        how = self.states.leave(session, p.model, tenant, [*p.history, *p.new], reply, store, gives_way, reply_sent)
         report.update(conversation=session.id, turn=session.turns, relayed_from=relayed_from, **settled)
         # "extend" | "prefill" (built after this reply ends, off the request path) | "none"
         report.update(next_state=how, next_state_build="background" if how != "none" else None)

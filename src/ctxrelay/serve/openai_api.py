@@ -20,6 +20,7 @@ refused stream is a plain 4xx; a client that disconnects cancels its turn.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
 
 from ctxrelay.models.sampling import MAX_LOGPROBS, Sampling, StopText
 from ctxrelay.models.spec import LoadedModel
@@ -144,6 +146,7 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
             request.headers.get("x-session-id"),
         )  # fmt: skip
         held = _Held(engine, finder, engine.admit())  # 429 here, on the event loop
+        sent = threading.Event()  # set once the response's last byte has left: the turn's state build starts then
         base = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": req.model}
         messages: list[dict[str, str]] = []
 
@@ -161,7 +164,7 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
             named = conv is not None or held.found.by != NONE
             keep = req.store and (named or engine.idle())
             opts = dict(max_tokens=max_tokens, temperature=sampling.temperature, transport=req.transport,
-                        sampling=sampling, store=keep, state_gives_way=not named)  # fmt: skip
+                        sampling=sampling, store=keep, state_gives_way=not named, reply_sent=sent)  # fmt: skip
             # the engine saves the conversation before the reply leaves (the next turn may go to another process)
             served = engine.chat(tenant, prompt, held.session, on_token=on_token, cancel=cancel, **opts)
             finder.report(held.found, served.report)
@@ -179,13 +182,13 @@ def router(engine: Engine, sessions: Conversations, tenant_of: Callable, limits:
                 return _closing(obj, end, s, req.stream_options)
 
             first = {**obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-            return await _streamed(turn, engine, req.model, chunk, closing, first, held, sampling)
+            return await _streamed(turn, engine, req.model, chunk, closing, first, held, sampling, sent)
         s = await _finished(turn, request)
         msg = {"role": "assistant", "content": s.text}
         lp = chat_logprobs(tok, s.result.logprobs)
         choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": s.finish_reason(max_tokens)}
         body = {**base, "object": "chat.completion", "choices": [choice], "usage": usage(s), "ctxrelay": s.report}
-        return _json(body, s.report)
+        return _json(body, s.report, sent)
 
     @api.post("/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request, tenant: str = Tenant) -> Response:
@@ -277,7 +280,15 @@ def _closing(obj: dict, end_choice: dict, s: Served, stream_options: dict | None
 
 
 async def _streamed(
-    turn: Turn, engine: Engine, model: str, chunk, closing, first: dict | None, held: _Held, sampling: Sampling
+    turn: Turn,
+    engine: Engine,
+    model: str,
+    chunk,
+    closing,
+    first: dict | None,
+    held: _Held,
+    sampling: Sampling,
+    sent: threading.Event | None = None,
 ):
     """The stream, once the turn was checked: a refusal is raised here, as a plain 4xx."""
     await turn.ready()
@@ -289,7 +300,8 @@ async def _streamed(
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if held.session is not None:
         headers["X-Conversation-Id"] = held.session.id
-    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+    done = BackgroundTask(sent.set) if sent is not None else None
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers, background=done)
 
 
 async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -306,5 +318,5 @@ async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
         yield head
 
 
-def _json(body: dict, report: dict) -> Response:
-    return JSONResponse(body, headers=report_headers(report))
+def _json(body: dict, report: dict, sent: threading.Event | None = None) -> Response:
+    return JSONResponse(body, headers=report_headers(report), background=BackgroundTask(sent.set) if sent else None)

@@ -64,6 +64,9 @@ GAVE_WAY = (
 )
 QUIET_S = 0.5  # a build that gives way starts only after this long without a new request (a client's next send)
 MAX_WAITING = 64  # builds that give way, waiting at once (each holds a transcript and a thread)
+# a build starts once its turn's reply has left (the response's last byte), or after this long: an engine's read of
+# the transcript takes every core, and started before the reply's closing chunks it delayed their sending
+REPLY_SENT_S = 5.0
 HURRIED, IDLE, DROPPED = "hurried", "idle", "dropped"  # how a build that gives way ended its wait
 POLL_S = 0.05  # how often a turn waiting for another process's build reads the record again
 # (model, transcript text, tenant, the model's own last state or None, cancel) -> the state; takes the lock it needs
@@ -100,6 +103,7 @@ class _Build:
     gives_way: bool  # to other requests (built only because the server was idle)
     cancel: Cancel
     hurry: threading.Event  # ends the quiet time (set by the cancel too)
+    sent: threading.Event  # the reply has left (or its next turn waits, or the server stops): the build may start
     future: Future[Built] | None = None
     dropped: bool = False  # one that gave way too long: never built
 
@@ -130,12 +134,13 @@ class StateBuilder:
 
     def leave(
         self, s: Session, model: str, tenant: str, messages: list[dict], reply: str, store: bool,
-        gives_way: bool = False,
+        gives_way: bool = False, sent: threading.Event | None = None,
     ) -> str:  # fmt: skip
         """After a turn's reply was decoded and the compute lock released: the turn joins the conversation,
         which is saved (the next turn may go to another process), and the state its next turn reads is
-        built in the background (`gives_way`: only while no request comes in). Returns how that state is
-        made: "extend", "prefill" or "none"."""
+        built in the background, once `sent` is set (the reply has left; at most REPLY_SENT_S) and, with
+        `gives_way`, only while no request comes in. Returns how that state is made: "extend", "prefill" or
+        "none"."""
         turn = [*messages, {"role": "assistant", "content": reply}]
         own = s.state if s.model == model else None  # a relayed cache is approximate: never extended
         s.model, s.messages, s.state = model, turn, None
@@ -146,8 +151,11 @@ class StateBuilder:
         self.sessions.save(s)  # records `building`, so other processes wait for the state rather than prefill
         if not store:
             return "none"
-        b = _Build(s.turns, gives_way, Cancel("the server is stopping"), threading.Event())
+        b = _Build(s.turns, gives_way, Cancel("the server is stopping"), threading.Event(), sent or threading.Event())
+        if sent is None:
+            b.sent.set()
         b.cancel.on_set(b.hurry.set)
+        b.cancel.on_set(b.sent.set)
         job = (s, model, tenant, transcript(turn), own, b)
         with self._lock:  # registered before its done-callback can remove it
             if self._closing:
@@ -168,6 +176,7 @@ class StateBuilder:
             b = self._pending.get((s.tenant, s.id))
         if b is not None and b.turn == s.turns:  # built by this process
             b.hurry.set()  # its quiet time is for other requests
+            b.sent.set()
             self._wait(b.future, s.building + self.timeout_s - time.time(), cancel)
             s.state, s.no_state = self._outcome(b.future)
             s.building = None
@@ -191,6 +200,7 @@ class StateBuilder:
             own = self._pending.get((to.tenant, to.id)) if to is not None else None
             if own is not None and own.turn == to.turns:
                 own.hurry.set()
+                own.sent.set()
             self._arrivals += 1
 
     def close(self) -> None:
@@ -209,6 +219,7 @@ class StateBuilder:
     def _build(self, s: Session, model: str, tenant: str, text: str, own: ContextState | None, b: _Build) -> Built:
         """One state, built under the compute lock and handed to the conversation store."""
         turn = b.turn
+        b.sent.wait(REPLY_SENT_S)
         try:
             state, why = self._read(model, text, tenant, own, b)
         except BaseException as e:  # the store says why, so another process's next turn can too

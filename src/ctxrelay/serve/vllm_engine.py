@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -106,6 +107,7 @@ class VllmEngine(Engine):
         self, tenant: str, p: Prompt, session: Session | None, *, max_tokens: int, temperature: float,
         transport: str = "auto", on_token: OnToken = None, cancel: Cancel | None = None,
         sampling: Sampling | None = None, store: bool = True, state_gives_way: bool = False,
+        reply_sent: threading.Event | None = None,
     ) -> Served:  # fmt: skip
         """One chat turn, planned by plan_chat (the window checked there): relayed through the connector
         where the gate says so, the engine prefilling the rest and decoding; the state it leaves is built
@@ -138,7 +140,7 @@ class VllmEngine(Engine):
         report["prefilled_tokens"] = len(ids) - (kv[1] if kv is not None else 0)  # the engine's own prefill
         report["engine"] = self.engine_facts(model)
         report["engine_cached_tokens"] = res.info["engine_cached_tokens"]  # served by its prefix cache
-        self.leave(session, p, tenant, res.text, store, settled, report, state_gives_way)
+        self.leave(session, p, tenant, res.text, store, settled, report, state_gives_way, reply_sent)
         return Served(res, report, self.prompt_tokens(p))
 
     def complete(
