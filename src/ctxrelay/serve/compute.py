@@ -25,10 +25,6 @@ class Cancel:
         self._event = threading.Event()
         self._wakers: list[Callable[[], None]] = []
 
-    def wait(self, timeout: float) -> bool:
-        """Until set (True) or `timeout` seconds pass (False)."""
-        return self._event.wait(timeout)
-
     def set(self) -> None:
         self._event.set()
         for wake in list(self._wakers):

@@ -319,4 +319,5 @@ async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def _json(body: dict, report: dict, sent: threading.Event | None = None) -> Response:
-    return JSONResponse(body, headers=report_headers(report), background=BackgroundTask(sent.set) if sent else None)
+    done = BackgroundTask(sent.set) if sent is not None else None
+    return JSONResponse(body, headers=report_headers(report), background=done)
