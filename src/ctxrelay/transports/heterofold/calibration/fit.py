@@ -27,10 +27,10 @@ from tqdm import tqdm
 from ctxrelay import tensorfile
 from ctxrelay.artifact import Artifact
 from ctxrelay.models.spec import LoadedModel
-from ctxrelay.transports.heterofold.align import layer_sources
 from ctxrelay.transports.heterofold.calibration import heldout, text_cache
 from ctxrelay.transports.heterofold.calibration.e2e import train_e2e
 from ctxrelay.transports.heterofold.calibration.recolor import Moments, fit_recolor, fit_ridge
+from ctxrelay.transports.heterofold.calibration.sources import choose as choose_sources
 from ctxrelay.transports.heterofold.calibration.train import Corrections, feature_scales, train_corrections
 from ctxrelay.transports.heterofold.kv_maps import ROLES, AffineMap, FoldMaps, layer_features
 from ctxrelay.transports.heterofold.transfer import check_own_layers, make_artifact
@@ -63,6 +63,10 @@ class CalibConfig:
     # recompute stage's 24 texts: into qwen-0.5b (from gemma3) top-1 +0.005 / +0.013 at f = 0.3 / 0.4 and 2048
     # tokens, +0.017 / +0.019 at 4096; into gemma3 (from smollm2, 4096) -0.001..+0.000: free, never worse
     own_layers: int = 1
+    # which sender layers each receiver layer's map reads (sources.py): offsets (the aligned layer and +-4) or
+    # greedy (the source_layers layers that most lower the validation error of a ridge map, per receiver layer)
+    source_select: str = "offsets"
+    source_layers: int = 3
     val_every: int = 16  # every n-th training text is validation (not fitted on)
     seed: int = 0
 
@@ -103,6 +107,9 @@ CALIB_HELP = {
     "e2e_native": "share of each context's last tokens kept native in the end-to-end stage",
     "store_rank": "> 0: store each folded map as rank-k factors (small artifacts)",
     "own_layers": "the receiver's own K/V in its first k layers for every context token, not translated",
+    "source_select": "which sender layers a receiver layer's map reads: offsets (aligned layer and +-4) | greedy "
+    "(chosen per receiver layer by validation error)",
+    "source_layers": "sender layers each map reads (greedy; offsets reads 3)",
     "val_every": "every n-th training text is validation (not fitted on)",
     "seed": "random seed of the fit",
 }
@@ -181,7 +188,6 @@ def calibrate(
     states = root / "states"
     pair_dir = root / f"{text_cache.model_key(sender)}--{text_cache.model_key(receiver)}"
     pair_dir.mkdir(parents=True, exist_ok=True)
-    sources = layer_sources(sender.spec.num_layers, receiver.spec.num_layers)
 
     # 1. data: every `val_every`-th training text validates (init search, epoch choice) and is not
     # fitted on; the held-out texts only measure the final artifact
@@ -201,11 +207,30 @@ def calibrate(
             pairs.extend(load_pairs(fit_texts, "train"))
         return pairs
 
+    val_digest = text_cache.text_key(chr(0).join(val_texts))
+    choice_path = pair_dir / (
+        f"sources-{cfg.source_select}{{k}}-{cfg.pairing}-a{cfg.ridge_alpha}-"
+        f"{text_cache.text_key(chr(0).join(fit_texts))}-{val_digest}.json"
+    )
+    sources, source_choice = choose_sources(
+        sender,
+        receiver,
+        cfg.source_select,
+        cfg.source_layers,
+        train_pairs,
+        lambda: load_pairs(val_texts, "val"),
+        cfg.pairing,
+        cfg.ridge_alpha,
+        choice_path,
+    )
+
     val = [heldout.make_item(sender, receiver, t, cfg.heldout_suffix) for t in tqdm(val_texts, desc="validation")]
     held = [heldout.make_item(sender, receiver, t, cfg.heldout_suffix) for t in tqdm(texts_heldout, desc="held-out")]
 
     # 2. moments (cached per pairing and training set)
     digest = text_cache.text_key("\x00".join(fit_texts))
+    if source_choice["rule"] != "offsets":  # every cache below depends on which layers the maps read
+        digest += "-src" + text_cache.text_key(json.dumps(sources))[:8]
     mom_path = pair_dir / f"moments-{cfg.pairing}-{digest}.safetensors"
     if resume and mom_path.exists():
         t = tensorfile.read(mom_path)[0]
@@ -219,7 +244,7 @@ def calibrate(
         art = make_artifact(sender, receiver, maps, {"pairing": cfg.pairing, "method": cfg.method}, {}, command)
         return heldout.evaluate(receiver, art, val)
 
-    search_path = pair_dir / f"search-{cfg.pairing}-{digest}-{text_cache.text_key(chr(0).join(val_texts))}.json"
+    search_path = pair_dir / f"search-{cfg.pairing}-{digest}-{val_digest}.json"
     search_memo = json.loads(search_path.read_text()) if resume and search_path.exists() else {}
 
     def scored(fit: dict) -> dict:
@@ -269,6 +294,7 @@ def calibrate(
             },
         )
     params = {"method": cfg.method, "pairing": cfg.pairing, "init": best_fit, "init_search": search}
+    params["source_select"] = source_choice
 
     # 4. output-aware corrections: layer-local (the paper's key and value objectives), then an
     # optional end-to-end stage; validation decides which maps are kept (init included)
