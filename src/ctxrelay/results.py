@@ -31,18 +31,26 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AMX or AVX512-bf16); elsewhere bf16 is emulated and slower than fp32."""
+    return bool({"amx_tile", "avx512_bf16"} & cpu_flags())
+
+
 def cpu_isa() -> str:
     """The fastest matrix ISA this CPU offers to torch's and vLLM's kernels: amx | avx512 | avx2 | other.
 
     Timings differ about 3x between these classes, so every results file names it."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    flags = cpu_flags()
     if "amx_tile" in flags:
         return "amx"
     if "avx512f" in flags:
@@ -79,6 +87,7 @@ def machine_facts() -> dict:
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "cpu_model": _cpu_model(),
         "isa": cpu_isa(),
+        "bf16": cpu_bf16(),
         "memory_gib": _memory_gib(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

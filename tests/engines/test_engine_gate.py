@@ -131,6 +131,10 @@ def test_engine_process_command_and_a_clear_error_without_vllm(tmp_path, monkeyp
     assert cmd[cmd.index("--dtype") + 1] == "float32" and "--enforce-eager" in cmd  # fp32 on AVX2: faster there
     compiled = VllmServer("m", tmp_path, "h", EngineConfig(compiled=True), "amx", tmp_path)
     assert compiled.dtype == "bfloat16" and "--enforce-eager" not in compiled.command(tmp_path / "python")
+    # AVX512 multiplies bf16 natively only with its bf16 extension (AMD Zen 4, Intel Cooper Lake on)
+    assert EngineConfig().resolved_dtype("avx512", bf16=True) == "bfloat16"
+    assert EngineConfig().resolved_dtype("avx512", bf16=False) == "float32"
+    assert EngineConfig(dtype="float32").resolved_dtype("amx") == "float32"  # a dtype asked for is kept
     monkeypatch.setenv("CTXRELAY_VLLM_PYTHON", str(tmp_path / "missing"))  # named, and not there
     with pytest.raises(UsageError, match="make vllm"):
         s.start()

@@ -25,6 +25,7 @@ import torch
 
 from ctxrelay.engines.vllm_params import cpu_engine_env, transfer_config
 from ctxrelay.errors import UsageError
+from ctxrelay.results import cpu_bf16
 
 ENV_PYTHON = "CTXRELAY_VLLM_PYTHON"  # the vLLM venv's python, where it is not ./.venv-vllm
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # an engine's K/V dtype
@@ -88,10 +89,13 @@ class EngineConfig:
             raise UsageError(bad) from None
         return EngineConfig(dtype, mode == "compiled", kv_space_gib, profile_lengths=lengths, state_reader=state_reader)
 
-    def resolved_dtype(self, isa: str) -> str:
+    def resolved_dtype(self, isa: str, bf16: bool | None = None) -> str:
+        """auto: bf16 where the CPU multiplies it natively (AMX, AVX512-bf16), fp32 elsewhere (vLLM's bf16 path on
+        AVX2 measured 4-5x slower than its fp32 one; AVX512 without its bf16 extension emulates it too)."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if isa in ("amx", "avx512") else "float32"
+        native = isa == "amx" or (isa == "avx512" and (cpu_bf16() if bf16 is None else bf16))
+        return "bfloat16" if native else "float32"
 
     @property
     def mode(self) -> str:

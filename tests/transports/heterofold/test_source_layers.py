@@ -57,6 +57,8 @@ def test_offsets_read_three_layers_and_the_rest_needs_greedy(tiny_by_family, tmp
     assert record == {"rule": "offsets"} and all(len(s) == 3 for s in sources)
     with pytest.raises(ValueError, match="needs greedy"):
         choose(m, m, "offsets", 5, None, None, "ta", 1e-3, tmp_path / "c.json")
+    with pytest.raises(ValueError, match="source_layers must be"):
+        choose(m, m, "greedy", m.spec.num_layers + 1, None, None, "ta", 1e-3, tmp_path / "c-{k}.json")
     with pytest.raises(ValueError, match="unknown source_select"):
         choose(m, m, "best", 3, None, None, "ta", 1e-3, tmp_path / "c.json")
 

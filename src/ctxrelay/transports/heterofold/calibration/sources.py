@@ -121,7 +121,7 @@ def greedy(scorers: dict[str, Scorer], sender_layers: int, receiver_layers: int,
     for j in tqdm(range(receiver_layers), desc="source layers", unit="layer", leave=False):
         chosen: list[int] = []
         steps: list[float] = []
-        for _ in range(min(k, sender_layers)):
+        for _ in range(k):
             scored = [
                 (sum(s.rel_error([*chosen, c], j) for s in scorers.values()), c)
                 for c in range(sender_layers)
@@ -162,8 +162,8 @@ def choose(
         if k != len(default[0]):
             raise ValueError(f"source_select=offsets reads {len(default[0])} layers; source_layers={k} needs greedy")
         return default, {"rule": "offsets"}
-    if k < 1:
-        raise ValueError(f"source_layers must be >= 1, got {k}")
+    if not 1 <= k <= sender.spec.num_layers:
+        raise ValueError(f"source_layers must be 1..{sender.spec.num_layers} ({sender.name}'s layers), got {k}")
     # a greedy choice of k layers is the first k of any longer choice made on the same data
     name = lambda n: cache.with_name(cache.name.replace("{k}", str(n)))
     for n in range(k, MAX_CACHED + 1):
