@@ -42,7 +42,7 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_bf16() -> bool:
-    """Whether the CPU multiplies bf16 natively (AMX or AVX512-bf16); elsewhere bf16 is emulated and slower than fp32."""
+    """Whether the CPU multiplies bf16 natively (AMX or AVX512-bf16); elsewhere it is emulated, slower than fp32."""
     return bool({"amx_tile", "avx512_bf16"} & cpu_flags())
 
 
