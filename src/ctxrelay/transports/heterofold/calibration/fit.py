@@ -134,17 +134,11 @@ def accumulate(
     dx = len(sources[0]) * sender.spec.num_kv_heads * sender.spec.head_dim
     dy = receiver.spec.num_kv_heads * receiver.spec.head_dim
     mom = {r: [Moments.zeros(dx, dy) for _ in sources] for r in ROLES}
-    for s, r in tqdm(pairs, desc="moments", unit="text", leave=False):
-        al = text_cache.pair_alignment(sender, receiver, s, r, pairing)
-        keep = al.translated
-        if not keep.numel():
-            continue
-        src = al.src[keep]
-        for role, send, recv in (("k", s.keys, r.keys), ("v", s.values, r.values)):
-            for j, layers in enumerate(sources):
-                x = layer_features(send, layers, src).float()
-                y = recv[j][keep].reshape(keep.numel(), -1).float()
-                mom[role][j].add(x, y)
+    for role, send, recv, src, keep in text_cache.aligned_rows(sender, receiver, pairs, pairing, "moments"):
+        for j, layers in enumerate(sources):
+            x = layer_features(send, layers, src).float()
+            y = recv[j][keep].reshape(keep.numel(), -1).float()
+            mom[role][j].add(x, y)
     return mom
 
 

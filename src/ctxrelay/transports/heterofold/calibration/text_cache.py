@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ctxrelay import tensorfile
 from ctxrelay.models import runner
@@ -130,6 +131,17 @@ def pair_alignment(sender: LoadedModel, receiver: LoadedModel, s: SenderText, r:
         special_ids_of(sender.tokenizer),
         pairing,
     )
+
+
+def aligned_rows(sender: LoadedModel, receiver: LoadedModel, pairs: list, pairing: str, desc: str):
+    """Per text with translated tokens: (role, sender K or V, receiver K or V, the sender rows, the receiver
+    rows) of its aligned pairs, keys then values: what every fit over aligned pairs reads."""
+    for s, r in tqdm(pairs, desc=desc, unit="text", leave=False):
+        al = pair_alignment(sender, receiver, s, r, pairing)
+        keep = al.translated
+        if keep.numel():
+            yield "k", s.keys, r.keys, al.src[keep], keep
+            yield "v", s.values, r.values, al.src[keep], keep
 
 
 @dataclass
