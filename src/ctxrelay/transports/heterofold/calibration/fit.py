@@ -201,11 +201,8 @@ def calibrate(
             pairs.extend(load_pairs(fit_texts, "train"))
         return pairs
 
-    val_digest = text_cache.text_key(chr(0).join(val_texts))
-    choice_path = pair_dir / (
-        f"sources-{cfg.source_select}{{k}}-{cfg.pairing}-a{cfg.ridge_alpha}-"
-        f"{text_cache.text_key(chr(0).join(fit_texts))}-{val_digest}.json"
-    )
+    digest, val_digest = text_cache.text_key("\x00".join(fit_texts)), text_cache.text_key("\x00".join(val_texts))
+    choice = f"sources-{cfg.source_select}{{k}}-{cfg.pairing}-a{cfg.ridge_alpha}-{digest}-{val_digest}.json"
     sources, source_choice = choose_sources(
         sender,
         receiver,
@@ -215,14 +212,13 @@ def calibrate(
         lambda: load_pairs(val_texts, "val"),
         cfg.pairing,
         cfg.ridge_alpha,
-        choice_path,
+        pair_dir / choice,
     )
 
     val = [heldout.make_item(sender, receiver, t, cfg.heldout_suffix) for t in tqdm(val_texts, desc="validation")]
     held = [heldout.make_item(sender, receiver, t, cfg.heldout_suffix) for t in tqdm(texts_heldout, desc="held-out")]
 
     # 2. moments (cached per pairing and training set)
-    digest = text_cache.text_key("\x00".join(fit_texts))
     if source_choice["rule"] != "offsets":  # every cache below depends on which layers the maps read
         digest += "-src" + text_cache.text_key(json.dumps(sources))[:8]
     mom_path = pair_dir / f"moments-{cfg.pairing}-{digest}.safetensors"
