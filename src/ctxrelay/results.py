@@ -6,6 +6,7 @@ Rows carry only keys that were measured; NaN or infinite numbers are refused rat
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -31,14 +32,15 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_flags() -> set[str]:
+@functools.cache  # a machine's flags do not change while a process runs
+def cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def cpu_bf16() -> bool:

@@ -300,8 +300,7 @@ async def _streamed(
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if held.session is not None:
         headers["X-Conversation-Id"] = held.session.id
-    done = BackgroundTask(sent.set) if sent is not None else None
-    return StreamingResponse(body, media_type="text/event-stream", headers=headers, background=done)
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers, background=_on_sent(sent))
 
 
 async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -319,5 +318,9 @@ async def _prepend(head: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def _json(body: dict, report: dict, sent: threading.Event | None = None) -> Response:
-    done = BackgroundTask(sent.set) if sent is not None else None
-    return JSONResponse(body, headers=report_headers(report), background=done)
+    return JSONResponse(body, headers=report_headers(report), background=_on_sent(sent))
+
+
+def _on_sent(sent: threading.Event | None) -> BackgroundTask | None:
+    """Starlette runs a response's background task once its last byte has left: then `sent` is set."""
+    return BackgroundTask(sent.set) if sent is not None else None

@@ -107,6 +107,11 @@ class _Build:
     future: Future[Built] | None = None
     dropped: bool = False  # one that gave way too long: never built
 
+    def start_now(self) -> None:
+        """Its state is wanted now (its next turn asks, or the server stops): no quiet time, no wait for the reply."""
+        self.hurry.set()
+        self.sent.set()
+
 
 class StateBuilder:
     """Builds conversations' states on one background thread (builds queue for compute anyway)."""
@@ -154,8 +159,7 @@ class StateBuilder:
         b = _Build(s.turns, gives_way, Cancel("the server is stopping"), threading.Event(), sent or threading.Event())
         if sent is None:
             b.sent.set()
-        b.cancel.on_set(b.hurry.set)
-        b.cancel.on_set(b.sent.set)
+        b.cancel.on_set(b.start_now)
         job = (s, model, tenant, transcript(turn), own, b)
         with self._lock:  # registered before its done-callback can remove it
             if self._closing:
@@ -175,8 +179,7 @@ class StateBuilder:
         with self._lock:
             b = self._pending.get((s.tenant, s.id))
         if b is not None and b.turn == s.turns:  # built by this process
-            b.hurry.set()  # its quiet time is for other requests
-            b.sent.set()
+            b.start_now()  # its quiet time is for other requests
             self._wait(b.future, s.building + self.timeout_s - time.time(), cancel)
             s.state, s.no_state = self._outcome(b.future)
             s.building = None
@@ -199,8 +202,7 @@ class StateBuilder:
         with self._lock:
             own = self._pending.get((to.tenant, to.id)) if to is not None else None
             if own is not None and own.turn == to.turns:
-                own.hurry.set()
-                own.sent.set()
+                own.start_now()
             self._arrivals += 1
 
     def close(self) -> None:
