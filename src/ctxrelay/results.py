@@ -48,6 +48,12 @@ def cpu_bf16() -> bool:
     return bool({"amx_tile", "avx512_bf16"} & cpu_flags())
 
 
+def bf16_native(isa: str, bf16: bool | None = None) -> bool:
+    """Whether a CPU of ISA class `isa` multiplies bf16 natively (`bf16`: its AVX512-bf16 flag; default: this
+    CPU's): AMX, or AVX512 with its bf16 extension (AMD Zen 4, Intel Cooper Lake on)."""
+    return isa == "amx" or (isa == "avx512" and (cpu_bf16() if bf16 is None else bf16))
+
+
 def cpu_isa() -> str:
     """The fastest matrix ISA this CPU offers to torch's and vLLM's kernels: amx | avx512 | avx2 | other.
 

@@ -85,8 +85,11 @@ TUNING_KEYS = [
     TuningKey("redo", "", "comma list of rules whose kept rows of this phase are measured again"),
     TuningKey("redo_datasets", "", "with redo: only rows of these datasets (needle, sharegpt; empty: all)"),
     TuningKey("artifact", "", "a work copy of the one direction's artifact, measured instead of the installed one"),
+    TuningKey("dtype", "float32", "the receiver's compute, relay and native reference alike: float32 | bfloat16 "
+              "(the relay's precision for a bf16 engine)"),
 ]
 OPTIONS = {k.name: k.default for k in TUNING_KEYS}
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CASE_OPTIONS = ("needles", "sharegpt", "continuation", "answer_tokens", "attend", "hide", "ref_tokenizer", "seed")
 
 
@@ -149,7 +152,10 @@ class NativeRef:
 def native_ref(r, case: Case, opts: dict) -> NativeRef:
     n, a = int(opts["continuation"]), int(opts["answer_tokens"])
     key = text_key(f"{case.context}\x00{case.question}\x00{case.continuation}")
-    path = paths.work_dir("heterofold", "frontier-native", r.name) / f"{key}-{n}-{a}-{r.spec.weights_hash[:10]}.st"
+    # a receiver computing in bf16 has references of its own
+    precision = "" if r.dtype == torch.float32 else f"-{str(r.dtype).removeprefix('torch.')}"
+    name = f"{key}-{n}-{a}-{r.spec.weights_hash[:10]}{precision}.st"
+    path = paths.work_dir("heterofold", "frontier-native", r.name) / name
     ctx, cont = context_ids(r, case.context), suffix_ids(r, case.continuation)[:n]
     q = suffix_ids(r, case.question) if case.question else torch.zeros(0, dtype=torch.long)
     if path.exists():
@@ -288,6 +294,10 @@ def bench(
     work = work_artifact(work_path, dirs) if work_path else None
     arts = {tuple(dirs[0]): work} if work else {d: _artifact(*d) for d in dirs}
     case_opts = {k: opts[k] for k in CASE_OPTIONS if k != "hide" or hide_code(opts[k])}  # runs before hide: the same
+    if opts["dtype"] not in COMPUTE_DTYPES:
+        raise UsageError(f"dtype is one of {', '.join(COMPUTE_DTYPES)}, not {opts['dtype']!r}")
+    if opts["dtype"] != "float32":  # fp32 runs before the key: the same
+        case_opts["dtype"] = opts["dtype"]
     extra = {"options": case_opts, "lengths": sorted(lengths), "repeats": repeats}
     if work:  # rows of another artifact are not resumed into this file (reusable compares the options)
         case_opts["artifact"] = work.digest
@@ -328,7 +338,7 @@ def bench(
         return write_results(out, rows, command, {**meta, **derived(rows, arts, earlier)})
 
     for rname in dict.fromkeys(r for _, r in dirs):
-        r = zoo.load(rname)
+        r = zoo.load(rname).in_dtype(COMPUTE_DTYPES[opts["dtype"]])
         senders = [s for s, r2 in dirs if r2 == rname]
         for case in cases if phase != "timing" else []:
             ref = native_ref(r, case, opts)

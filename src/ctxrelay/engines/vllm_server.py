@@ -25,7 +25,7 @@ import torch
 
 from ctxrelay.engines.vllm_params import cpu_engine_env, transfer_config
 from ctxrelay.errors import UsageError
-from ctxrelay.results import cpu_bf16
+from ctxrelay.results import bf16_native
 
 ENV_PYTHON = "CTXRELAY_VLLM_PYTHON"  # the vLLM venv's python, where it is not ./.venv-vllm
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # an engine's K/V dtype
@@ -94,8 +94,7 @@ class EngineConfig:
         AVX2 measured 4-5x slower than its fp32 one; AVX512 without its bf16 extension emulates it too)."""
         if self.dtype != "auto":
             return self.dtype
-        native = isa == "amx" or (isa == "avx512" and (cpu_bf16() if bf16 is None else bf16))
-        return "bfloat16" if native else "float32"
+        return "bfloat16" if bf16_native(isa, bf16) else "float32"
 
     @property
     def mode(self) -> str:

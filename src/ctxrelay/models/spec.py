@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -54,6 +55,18 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return self.hf.get_input_embeddings().weight.device
+
+    def in_dtype(self, dtype: torch.dtype) -> LoadedModel:
+        """This model computing in `dtype` (itself where it already does): the same weights rounded, so the
+        same spec and binding (a state or artifact bound to the model serves both); the copy's weights are
+        its own (the relay's bf16 compute beside an fp32 model, ModelPool.relay_model)."""
+        if dtype == self.dtype:
+            return self
+        # the parameters in `dtype`, buffers as they are (RoPE's inverse frequencies stay fp32, as in a model
+        # loaded in bf16); each parameter copied once, already rounded, so tied weights stay tied
+        memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in self.hf.parameters()}
+        hf = copy.deepcopy(self.hf, memo)
+        return LoadedModel(hf, self.tokenizer, self.spec, self.source, {**self.extra, "compute_dtype": str(dtype)})
 
 
 def hash_state_dict(model: torch.nn.Module) -> str:

@@ -104,6 +104,10 @@ class ModelPool:
         else:
             self.profile_path, self.profile = None, profile
         self.quality_threshold, self.overhead_s, self.min_speedup = quality_threshold, overhead_s, min_speedup
+        # the precision of the relay's own compute (translation, assembly, recompute) on the receivers: fp32,
+        # or bf16 where the receivers decode in a bf16 engine (use_compute_dtype)
+        self.compute_dtype = torch.float32
+        self._compute: dict[str, LoadedModel] = {}
         self._graph: TransportGraph | None = None
         self._artifacts: dict[Path, Artifact] = {}
         for m in models:
@@ -116,6 +120,24 @@ class ModelPool:
         self.models[model.spec.name] = model
         self._graph = None
         return model
+
+    def use_compute_dtype(self, dtype: torch.dtype, profile_path: Path | None = None) -> None:
+        """Relay into the receivers in `dtype` (bf16 where they decode in a bf16 engine: the cache they load is
+        bf16 anyway, and bf16 matmuls run on the CPU's bf16 units); its costs are other than fp32's, so the
+        profile is read from (and kept in) `profile_path`."""
+        self.compute_dtype = dtype
+        self._compute.clear()
+        if profile_path is not None:
+            self.profile_path, self.profile = profile_path, Profile.load(profile_path)
+            self.refresh()
+
+    def relay_model(self, m: LoadedModel) -> LoadedModel:
+        """Receiver `m` as the relay computes with it: in the pool's compute dtype (one copy, kept)."""
+        if self.compute_dtype == m.dtype:
+            return m
+        if m.spec.name not in self._compute:
+            self._compute[m.spec.name] = m.in_dtype(self.compute_dtype)
+        return self._compute[m.spec.name]
 
     def model(self, name: str) -> LoadedModel:
         if name not in self.models:
@@ -219,7 +241,9 @@ class ModelPool:
             )  # fmt: skip
         d, out, timings = p.decision, p.out, p.timings
         tf = time.perf_counter()
-        gen = runner.decode(p.receiver, out.cache, out.logits[-1], p.t0, max_new_tokens, temperature, **gen_kw)
+        # decoded by the model that built the cache (its dtype)
+        r = self.relay_model(p.receiver)
+        gen = runner.decode(r, out.cache, out.logits[-1], p.t0, max_new_tokens, temperature, **gen_kw)
         timings["first_token_s"] = timings.get("first_token_s", 0.0) + (gen.ttft_s - (tf - p.t0))
         return RelayResult(
             text=gen.text,
@@ -346,7 +370,7 @@ class ModelPool:
     def _relay(self, d: Decision, state: ContextState, r: LoadedModel, suffix: torch.Tensor) -> RelayOutput:
         path = d.edge.artifact_path
         art = self.artifact(path) if path is not None else None  # read once, when the graph was built
-        return transports.get(d.transport).relay_prefill(r, state, art, suffix, **d.options)
+        return transports.get(d.transport).relay_prefill(self.relay_model(r), state, art, suffix, **d.options)
 
     def _native(
         self,

@@ -82,6 +82,7 @@ def edge_models(pool: ModelPool, e) -> tuple[LoadedModel, LoadedModel]:
 def measure_point(pool: ModelPool, e, p, text: str, repeats: int) -> tuple[int, dict[str, float]]:
     """(receiver tokens, median components) of relaying `text` (the sender's) over edge `e` at point `p`."""
     sender, receiver = edge_models(pool, e)
+    receiver = pool.relay_model(receiver)  # in the precision the pool relays in
     art = pool.artifact(e.artifact_path) if e.artifact_path is not None else None
     t = transports.get(e.transport)
     state = cached_sender_state(pool, sender, text)

@@ -72,7 +72,7 @@ class VllmEngine(Engine):
         engine setup)."""
         from ctxrelay import zoo
         from ctxrelay.demo import text_for
-        from ctxrelay.serve.engine_profile import prepare_gate, profile_path
+        from ctxrelay.serve.engine_profile import prepare_gate, profile_path, relay_dtype, relay_profile_path
 
         log_dir = cache_dir / "logs"
 
@@ -86,6 +86,9 @@ class VllmEngine(Engine):
                 servers[name] = s
             engine = VllmEngine(pool, metrics, servers, **kw)
             dtype = next(iter(servers.values())).dtype if servers else config.dtype
+            compute = relay_dtype(dtype, isa)
+            if compute != torch.float32:
+                pool.use_compute_dtype(compute, relay_profile_path(cache_dir, isa, dtype))
             where = profile_path(cache_dir, isa, config.mode, dtype)
             prepare_gate(engine, text_for, list(config.profile_lengths), where)
         except BaseException:

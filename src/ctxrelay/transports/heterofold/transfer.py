@@ -2,7 +2,7 @@
 
 Steps, each timed into the RelayOutput contract:
   translate  tokenize the text with the receiver's tokenizer, align tokens, apply the per-layer maps
-  copy       bring the sender's K/V to the receiver's device and dtype
+  copy       bring the sender's K/V to the receiver's device
   assemble   the receiver's own k-norm + RoPE at its own positions; native one-token passes for
              the attention sink and special tokens (never translated)
   first token  the appended tokens (question / new turn) run natively over the assembled cache
@@ -120,9 +120,9 @@ def assemble_cache(
     with sw("translate_s"):
         al = align_for(receiver, state, artifact, ids, offsets)
         maps = FoldMaps.from_tensors(artifact.tensors, artifact.params["sources"])
-    with sw("copy_s"):
-        send_k = state.keys_pre_rope.to(receiver.device, receiver.dtype)
-        send_v = state.values.to(receiver.device, receiver.dtype)
+    with sw("copy_s"):  # the maps run in fp32 whatever the receiver computes in (translate converts once)
+        send_k = state.keys_pre_rope.to(receiver.device)
+        send_v = state.values.to(receiver.device)
     with sw("translate_s"):
         s = receiver.spec
         keys, values = translate(maps, send_k, send_v, al.src.to(receiver.device), s.num_kv_heads, s.head_dim)
