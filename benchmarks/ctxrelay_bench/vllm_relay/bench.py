@@ -13,7 +13,9 @@ continuations; heterofold_frontier's cases):
 - `runner_native_ttft_s`: ctxrelay's own runner prefilling natively (a reference, not the baseline);
 - needles: the engine's greedy answers, relayed and native; essays and ShareGPT top-1: teacher-forced
   agreement of the relayed cache with native over the continuation, computed on ctxrelay's runner with the
-  K/V the engine is given (vLLM skips external K/V for requests that ask for prompt log-probs).
+  K/V the engine is given (vLLM skips external K/V for requests that ask for prompt log-probs), against the
+  runner's native prefill in the relay's precision (`engine_relay_dtype`: bf16 with a bf16 engine on a CPU
+  with bf16 units, engine_profile.relay_dtype).
 Two points per direction: the gate's default (quality threshold 0.85) and plain translation (threshold 0).
 The sender's own prefill is not timed (it happened for the sender's own answer). Timing runs need the
 machine to themselves (`flock ~/.cache/ctxrelay/timing.lock`).
@@ -155,7 +157,10 @@ def direction_rows(engine: VllmEngine, sender: str, recv: str, cases: list, opts
     for case, state_path in tqdm(list(zip(cases, states, strict=True)), desc=f"{sender} -> {recv}", unit="req"):
         state = ContextState.load(state_path)
         pool.store.put(state)
-        ref = native_ref(r, case, opts)
+        # the reference and the relayed cache's quality in the precision the relay computes in (bf16 with a bf16
+        # engine: the engine's own native is bf16 too)
+        rq = pool.relay_model(r)
+        ref = native_ref(rq, case, opts)
         question = case.question or "\n"
         ids = [*ref.ctx.tolist(), *suffix_ids(r, question).tolist()]
         n_new = int(opts["answer_tokens"]) if case.question else 1
@@ -186,7 +191,7 @@ def direction_rows(engine: VllmEngine, sender: str, recv: str, cases: list, opts
                 row["native_needle_acc"] = score_answer(native.text, case.answer)["exact"]
             if prep.relayed:  # quality of the very cache the engine got, on the runner (see the docstring)
                 o = prep.decision.options
-                q = relay_point(r, state, pool.artifact(prep.decision.edge.artifact_path), ref, case,
+                q = relay_point(rq, state, pool.artifact(prep.decision.edge.artifact_path), ref, case,
                                 o.get("selection", "none"), float(o.get("recompute", 0.0)), opts)  # fmt: skip
                 row["top1"], row["recompute_fraction"] = q.get("top1_agreement"), q.get("recompute_fraction", 0.0)
             else:
@@ -224,6 +229,7 @@ def _row(sender: str, recv: str, label: str, n: int, reqs: list[dict], engine: V
         "relayed_requests": sum(q["relayed"] for q in reqs), "requests": len(reqs),
         "recompute_fraction": _mean([q["recompute_fraction"] for q in reqs if q["relayed"]]),
         "engine": "vllm", "engine_mode": engine.servers[recv].config.mode, "engine_dtype": engine.servers[recv].dtype,
+        "engine_relay_dtype": str(engine.pool.compute_dtype).removeprefix("torch."),
         "engine_native_ttft_s": native,
         "engine_prefix_hit_ttft_s": _median([q["engine_prefix_hit_ttft_s"] for q in reqs]),
         "runner_native_ttft_s": _median([q["runner_native_ttft_s"] for q in reqs]),
