@@ -78,3 +78,23 @@ def test_the_relay_computes_in_bf16_only_for_a_bf16_engine_on_a_cpu_with_bf16_un
     assert relay_dtype("bfloat16", "avx512", bf16=False) == torch.float32  # emulated: slower than fp32
     assert relay_dtype("bfloat16", "avx2") == torch.float32
     assert relay_dtype("float32", "amx") == torch.float32  # the cache an fp32 engine loads stays fp32
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(4, 1, None), (6, 2, 48), (4, 4, None)])
+def test_bf16_masked_attention_as_gemms_matches_sdpa(monkeypatch, heads, kv_heads, window):
+    """Scattered queries (selective recompute) over a cache: the GEMM path equals SDPA's masked kernel at bf16
+    tolerance, over row chunks too (a small score budget forces several)."""
+    from ctxrelay.models import attention
+
+    monkeypatch.setattr(attention, "GEMM_SCORES", 2000)
+    g = torch.Generator().manual_seed(0)
+    s, d = 300, 32
+    qpos = torch.randperm(s, generator=g)[:70].sort().values
+    q = torch.randn(1, heads, 70, d, generator=g).bfloat16()
+    k, v = (torch.randn(1, kv_heads, s, d, generator=g).bfloat16() for _ in range(2))
+    mask = attention.positions_mask(qpos, s, window)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=d**-0.5, enable_gqa=kv_heads != heads
+    )
+    got = attention.gemm_attention(q, k, v, mask, d**-0.5)
+    assert got.dtype == torch.bfloat16 and float((got.float() - ref).abs().max()) < 0.02

@@ -97,11 +97,41 @@ def native_attention(c: AttnCall) -> torch.Tensor:
     if run >= SPLIT_MIN_ROWS:  # the last queries in a row: no mask, the fast kernel (causal_tail)
         out[:, :, t - run :] = causal_tail(c, run)
         chunks = [slice(0, t - run)] if t > run else []
+    as_gemms = c.q.dtype == torch.bfloat16 and c.q.device.type == "cpu"
     for r in chunks:
         lo, hi = _key_range(qpos[r], s, c.window)
         q, k, v = c.q[:, :, r], c.k[:, :, lo:hi], c.v[:, :, lo:hi]
         mask = call_mask(c, r, (lo, hi))
-        out[:, :, r] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.scale, enable_gqa=gqa)
+        if as_gemms:
+            out[:, :, r] = gemm_attention(q, k, v, mask, c.scale)
+        else:
+            out[:, :, r] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.scale, enable_gqa=gqa)
+    return out
+
+
+# scores held at once by gemm_attention (fp32): 64 MB
+GEMM_SCORES = 1 << 24
+
+
+def gemm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked attention of q [1, H, T, d] over k, v [1, Hkv, S, d] (bool mask [T, S]) as two GEMMs per kv head,
+    its query heads stacked as the rows of one, softmax in fp32. In bf16 on the CPU this runs on the bf16 GEMM
+    units where SDPA's masked flash kernel does not: 815 scattered queries over 4096 keys (gemma3's heads)
+    measured 95 ms as SDPA against 59 ms here on the AVX512-bf16 EPYC."""
+    _, h, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = h // hkv
+    out = torch.empty_like(q)
+    step = max(1, GEMM_SCORES // max(1, g * s))
+    for r0 in range(0, t, step):
+        rows = slice(r0, min(t, r0 + step))
+        n = rows.stop - r0
+        neg = torch.zeros(n, s).masked_fill_(~mask[rows], float("-inf"))
+        for j in range(hkv):
+            heads = slice(j * g, (j + 1) * g)
+            scores = (q[0, heads, rows].reshape(g * n, d) @ k[0, j].T).float().view(g, n, s)
+            scores = torch.softmax(scores.mul_(scale).add_(neg), -1)
+            out[0, heads, rows] = (scores.to(q.dtype).view(g * n, s) @ v[0, j]).view(g, n, d)
     return out
 
 
