@@ -64,7 +64,8 @@ def test_a_pool_relays_and_decodes_in_its_compute_dtype(tiny_by_family, tmp_path
     assert pool.profile_path == kept and "x" in pool.profile.native  # its costs are bf16's, kept apart
     made = dict(pool._compute)  # made by use_compute_dtype: an edge (its own K/V) leads into llama
     b = pool.relay_model(llama)
-    assert made.get(llama.name) is b and b.dtype == torch.bfloat16 and pool.relay_model(llama) is b and pool.models[llama.name] is llama
+    assert made.get(llama.name) is b and b.dtype == torch.bfloat16 and pool.relay_model(llama) is b
+    assert pool.models[llama.name] is llama
     state = pool.prefill(llama.name, SAMPLE_TEXT, tenant="acme")  # the sender reads in fp32
     res = pool.continue_from(state, llama.name, SUFFIX, max_new_tokens=4)
     ids = torch.cat([torch.as_tensor(state.tokens), suffix_ids(llama, SUFFIX)])
