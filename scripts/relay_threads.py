@@ -2,9 +2,12 @@
 (f = 0.2, mix), in this process's main thread, then each in a fresh thread (as `ctxrelay serve` runs a turn: a
 thread per request), then in the main thread again; seconds per relay (translate, recompute).
 
-    flock ~/.cache/ctxrelay/timing.lock python scripts/relay_threads.py
+    flock ~/.cache/ctxrelay/timing.lock python scripts/relay_threads.py [--one-arena]
+
+--one-arena: serve/compute.one_malloc_arena() first, as `ctxrelay serve` does.
 """
 
+import sys
 import threading
 import time
 
@@ -18,6 +21,10 @@ from ctxrelay.relay.api import ModelPool
 
 
 def main() -> None:
+    if "--one-arena" in sys.argv:
+        from ctxrelay.serve.compute import one_malloc_arena
+
+        print("one malloc arena:", one_malloc_arena())
     torch.set_num_threads(2)
     pool = ModelPool(["smollm2-135m", "gemma3-270m"])
     s, r = pool.models["smollm2-135m"], pool.models["gemma3-270m"]

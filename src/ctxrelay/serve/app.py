@@ -27,6 +27,7 @@ from ctxrelay.relay.store import StateKey
 from ctxrelay.serve import errors
 from ctxrelay.serve.auth import Auth
 from ctxrelay.serve.bodies import BodyLimit, CountRequests
+from ctxrelay.serve.compute import one_malloc_arena
 from ctxrelay.serve.engine import Engine
 from ctxrelay.serve.errors import ApiError
 from ctxrelay.serve.health import Health, down
@@ -75,6 +76,7 @@ class ContinueRequest(BaseModel):
 
 def create_app(pool: ModelPool, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
+    one_malloc_arena()  # before the app's threads: a turn's thread computes from the warm main arena
     app = FastAPI(title="ctxrelay", version="0.1.0", lifespan=_closes_engine)
     errors.install(app)
     metrics = Metrics()

@@ -9,8 +9,23 @@ not finished: the engine updates a conversation only after its decode returns.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter: how many malloc arenas threads may use
+
+
+def one_malloc_arena() -> bool:
+    """Every thread allocates from glibc's main arena (called before the server starts its threads). Each turn
+    computes in a thread of its own (turns.py); with glibc's default of an arena per thread, a turn's tensors came
+    from a fresh arena whose pages fault in anew: the same bf16 relay (4096 tokens) read 2.2-2.7 s in a fresh
+    thread against 1.1-1.2 s in the main thread, and 1.1-1.2 s in both with one arena (scripts/relay_threads.py).
+    Returns whether it applied (glibc only)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 1))
+    except (OSError, AttributeError):
+        return False
 
 
 class Cancelled(Exception):
