@@ -66,7 +66,7 @@ class LoadedModel:
         # loaded in bf16); each parameter copied once, already rounded, so tied weights stay tied
         memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in self.hf.parameters()}
         hf = copy.deepcopy(self.hf, memo)
-        return LoadedModel(hf, self.tokenizer, self.spec, self.source, {**self.extra, "compute_dtype": str(dtype)})
+        return LoadedModel(hf, self.tokenizer, self.spec, self.source, dict(self.extra))
 
 
 def hash_state_dict(model: torch.nn.Module) -> str:
